@@ -1,0 +1,117 @@
+"""The one validated configuration object.
+
+Read from a YAML file (``--config``) or from vLLM's ``kv_connector_extra_config``. Every knob has a
+default and a unit in its name; an invalid value fails at startup with the field and the allowed
+range. The deployment secret is read from the environment or a file, never from the config itself,
+and never printed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .protocol.consumer import ConsumerTimeouts
+from .protocol.producer import ProducerTimeouts
+from .protocol.wire import MIN_SECRET_BYTES
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names each bad field and what it accepts."""
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["push", "pull"] = Field("push", description="how KV moves from P to D")
+    lease_s: float = Field(30.0, gt=0, le=3600,
+                           description="P holds finished blocks this long without word from D")
+    heartbeat_interval_s: float = Field(5.0, gt=0, le=600,
+                                        description="D renews P's lease this often")
+    watchdog_s: float = Field(120.0, gt=0, le=3600,
+                              description="D waits this long for KV after registering")
+    admission_timeout_s: float = Field(300.0, gt=0, le=86400,
+                                       description="D waits this long to allocate blocks")
+    max_write_s: float = Field(30.0, gt=0, le=3600,
+                               description="P abandons a write that takes longer")
+    clock_skew_allowance_s: float = Field(1.0, ge=0, le=60,
+                                          description="added to fences: clock skew + tick interval")
+    tombstone_s: float = Field(600.0, gt=0, le=86400,
+                               description="ended transfers are remembered this long")
+    secret_env: str = Field("NEURON_DISAGG_SECRET", min_length=1,
+                            description="environment variable holding the deployment secret")
+    secret_file: Path | None = Field(None, description="file holding the secret (used if set)")
+    side_channel_host: str = Field("127.0.0.1", min_length=1)
+    side_channel_port: int = Field(5600, ge=1024, le=65535)
+    backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
+    platform: Literal["auto", "neuron", "cuda", "cpu"] = "auto"
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024)
+
+    @model_validator(mode="after")
+    def _heartbeats_fit_in_lease(self) -> "Config":
+        if self.heartbeat_interval_s * 2 > self.lease_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most half of "
+                f"lease_s ({self.lease_s}) so that one lost heartbeat does not expire a lease"
+            )
+        return self
+
+    # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any] | None, source: str = "config") -> "Config":
+        try:
+            return cls.model_validate(values or {})
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                field = ".".join(str(p) for p in err["loc"]) or "(config)"
+                given = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
+                lines.append(f"  {field}: {err['msg']}{given}")
+            raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "Config":
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of settings")
+        return cls.from_mapping(data, source=f"config file {path}")
+
+    # -- derived ------------------------------------------------------------------------------------
+    def load_secret(self) -> bytes:
+        """The deployment secret, from ``secret_file`` if set, else the ``secret_env`` variable."""
+        if self.secret_file is not None:
+            try:
+                secret = self.secret_file.read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read secret_file {self.secret_file}: {exc.strerror}") from None
+            where = f"secret_file {self.secret_file}"
+        else:
+            secret = os.environ.get(self.secret_env, "").encode()
+            where = f"environment variable {self.secret_env}"
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"{where} must hold a secret of at least {MIN_SECRET_BYTES} bytes, the same on every "
+                "prefill and decode instance; create one with `openssl rand -hex 32`"
+            )
+        return secret
+
+    @property
+    def side_channel(self) -> str:
+        return f"{self.side_channel_host}:{self.side_channel_port}"
+
+    def producer_timeouts(self) -> ProducerTimeouts:
+        return ProducerTimeouts(self.lease_s, self.max_write_s, self.watchdog_s,
+                                self.clock_skew_allowance_s, self.tombstone_s)
+
+    def consumer_timeouts(self) -> ConsumerTimeouts:
+        return ConsumerTimeouts(self.watchdog_s, self.admission_timeout_s, self.heartbeat_interval_s,
+                                self.max_write_s, self.clock_skew_allowance_s, self.tombstone_s)

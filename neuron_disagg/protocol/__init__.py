@@ -1,0 +1,23 @@
+"""The sans-I/O protocol core: messages, both sides' state machines, and transfer plans.
+
+No threads, sockets, clocks, or imports of vllm, nixl or torch: time comes in as an argument and
+every decision comes out as an action (see ``actions.py``).
+"""
+
+from .actions import (
+    AbortWrite, Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitWrite, Transitioned,
+)
+from .consumer import ConsumerCore, ConsumerTimeouts, DState
+from .errors import (
+    BadSignature, MalformedMessage, MessageError, OversizeMessage, PlanError, ProtocolError,
+    UnknownVersion,
+)
+from .messages import (
+    Cancel, CancelAck, Heartbeat, Message, RankRegions, Region, Registration, TransferId,
+    WriteDone, WriteFailed,
+)
+from .plan import WritePlan, peer_ranks, plan_write
+from .producer import ProducerCore, ProducerTimeouts, PState
+from .wire import WireCodec
+
+__all__ = [name for name in dir() if not name.startswith("_")]

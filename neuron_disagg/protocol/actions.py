@@ -1,0 +1,75 @@
+"""What the protocol cores ask their owner to do. The owner (a transfer thread, a test harness or
+the demo) performs each action in the order returned; the cores never do I/O themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import Message, TransferId, WriteDone
+from .plan import WritePlan
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitWrite:
+    """P: post the plan's WRITEs; each D rank's WRITE carries ``notification`` as its completion
+    notice. Report the outcome as ``write_done`` or ``write_failed`` on the producer core."""
+
+    transfer_id: TransferId
+    plan: WritePlan
+    d_side_channel: str
+    notification: WriteDone
+
+
+@dataclass(frozen=True, slots=True)
+class AbortWrite:
+    """P: release the transfer's in-flight WRITEs now; they must not touch D's memory afterwards."""
+
+    transfer_id: TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class SendMessage:
+    """Send ``message`` to the peer instance at ``peer`` (side-channel host:port), to its
+    tensor-parallel ranks ``ranks``."""
+
+    peer: str
+    ranks: tuple[int, ...]
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlocks:
+    """Return these KV blocks to the engine: no transfer will touch them again."""
+
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishLoad:
+    """D: the request's KV is complete; the engine may start decoding it."""
+
+    transfer_id: TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class FailTransfer:
+    """The transfer ended without delivering KV; fail the request upstream with ``reason``."""
+
+    transfer_id: TransferId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transitioned:
+    """A request changed state. For logs, metrics and timelines; needs no action."""
+
+    transfer_id: TransferId
+    before: str
+    after: str
+    event: str
+    at: float
+    reason: str | None = None
+
+
+Action = SubmitWrite | AbortWrite | SendMessage | FreeBlocks | FinishLoad | FailTransfer | Transitioned

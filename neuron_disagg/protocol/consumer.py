@@ -1,0 +1,230 @@
+"""The decode (D) side of one tensor-parallel rank: registration, watchdog and block fencing.
+
+D learns of a transfer when the router's decode leg arrives (``expect``), heartbeats P while it
+waits to allocate, registers its destination blocks (``allocated``) and waits for a verdict from
+every P rank that writes into this rank. D frees registered blocks only after every such rank has
+confirmed — WriteDone, WriteFailed or CancelAck — or after a fence deadline that outlasts any write
+P may still have in flight (I2): P starts no write after the registration's expiry and abandons
+any write after ``max_write_s``, so ``expires_at + max_write_s + clock_skew_allowance_s`` is safe.
+
+Every transition of this side is in ``TABLE``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+from .actions import Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage
+from .machine import Entry, Rule, StateMachine, Step
+from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
+from .plan import peer_ranks
+
+
+class DState(enum.Enum):
+    NEW = "new"
+    PENDING = "pending"            # decode leg known; no blocks allocated yet; heartbeating P
+    REGISTERED = "registered"      # blocks registered with P; watchdog running
+    CANCELLING = "cancelling"      # we gave up; blocks fenced until P confirms or the fence lapses
+    TIMING_OUT = "timing_out"      # watchdog fired; same fence, but the outcome is a failure
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class DEvent(enum.Enum):
+    EXPECT = "expect"
+    ALLOCATED = "allocated"
+    VERDICT = "verdict"            # one P rank confirmed; others still owe theirs
+    DELIVERED = "delivered"        # every P rank confirmed with WriteDone
+    UNDELIVERABLE = "undeliverable"  # every P rank confirmed; at least one did not write
+    ABORT = "abort"
+    EXPIRED = "expired"
+    SUPERSEDED = "superseded"
+
+
+class DEffect(enum.Enum):
+    ARM_ADMISSION = "deadline := now + admission_timeout_s"
+    SEND_REGISTRATION = "register blocks with P; deadline := expiry (now + watchdog_s)"
+    SEND_CANCEL = "tell P: Cancel"
+    ARM_FENCE = "deadline := expiry + max_write_s + clock_skew_allowance_s"
+    FINISH_LOAD = "hand the loaded request to the engine"
+    FREE_BLOCKS = "free the registered blocks"
+    FAIL = "fail the request upstream"
+    DROP = "count an event that changes nothing"
+
+
+S, E, F = DState, DEvent, DEffect
+_R = Rule
+TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
+
+TABLE: dict[tuple[DState, DEvent], Rule] = {
+    (S.NEW, E.EXPECT): _R(S.PENDING, (F.ARM_ADMISSION,)),
+    (S.NEW, E.SUPERSEDED): _R(S.CANCELLED, (), "superseded by a newer attempt"),
+    # -- waiting for our own scheduler to allocate blocks --------------------------------------
+    (S.PENDING, E.ALLOCATED): _R(S.REGISTERED, (F.SEND_REGISTRATION,)),
+    (S.PENDING, E.ABORT): _R(S.CANCELLED, (F.SEND_CANCEL,)),
+    (S.PENDING, E.SUPERSEDED): _R(S.CANCELLED, (F.SEND_CANCEL,), "superseded by a newer attempt"),
+    (S.PENDING, E.EXPIRED): _R(
+        S.FAILED, (F.SEND_CANCEL, F.FAIL), "decode did not admit the request within admission_timeout_s"),
+    (S.PENDING, E.EXPECT): _R(None, (F.DROP,)),
+    # -- blocks registered: P's writes may land at any moment ----------------------------------
+    (S.REGISTERED, E.VERDICT): _R(None),
+    (S.REGISTERED, E.DELIVERED): _R(S.DONE, (F.FINISH_LOAD,)),
+    (S.REGISTERED, E.UNDELIVERABLE): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.REGISTERED, E.ABORT): _R(S.CANCELLING, (F.SEND_CANCEL, F.ARM_FENCE)),
+    (S.REGISTERED, E.SUPERSEDED): _R(
+        S.CANCELLING, (F.SEND_CANCEL, F.ARM_FENCE), "superseded by a newer attempt"),
+    (S.REGISTERED, E.EXPIRED): _R(
+        S.TIMING_OUT, (F.SEND_CANCEL, F.ARM_FENCE), "no KV from prefill within watchdog_s"),
+    (S.REGISTERED, E.EXPECT): _R(None, (F.DROP,)),
+    # -- fenced: blocks stay ours, untouched, until P confirms or the fence lapses ------------
+    (S.CANCELLING, E.VERDICT): _R(None),
+    (S.CANCELLING, E.DELIVERED): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.UNDELIVERABLE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.EXPIRED): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.ABORT): _R(None, (F.DROP,)),
+    (S.CANCELLING, E.SUPERSEDED): _R(None),
+    (S.CANCELLING, E.EXPECT): _R(None, (F.DROP,)),
+    (S.TIMING_OUT, E.VERDICT): _R(None),
+    (S.TIMING_OUT, E.DELIVERED): _R(S.DONE, (F.FINISH_LOAD,)),  # late, but every byte landed
+    (S.TIMING_OUT, E.UNDELIVERABLE): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.TIMING_OUT, E.EXPIRED): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.TIMING_OUT, E.ABORT): _R(S.CANCELLING),
+    (S.TIMING_OUT, E.SUPERSEDED): _R(S.CANCELLING),
+    (S.TIMING_OUT, E.EXPECT): _R(None, (F.DROP,)),
+}
+for _end in TERMINAL:
+    TABLE.update({
+        (_end, E.EXPECT): _R(None, (F.DROP,)),
+        (_end, E.ABORT): _R(None, (F.DROP,)),  # e.g. the client leaves after its KV arrived
+        (_end, E.SUPERSEDED): _R(None),
+    })
+
+
+@dataclass
+class ConsumerTransfer(Entry[DState]):
+    p_side_channel: str = ""
+    p_tp_size: int = 1
+    registration: Registration | None = None
+    owed_by: set[int] = field(default_factory=set)  # P ranks whose verdict we still wait for
+    failure: str | None = None  # the first non-delivery verdict
+    next_heartbeat_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ConsumerTimeouts:
+    watchdog_s: float = 120.0
+    admission_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    max_write_s: float = 30.0
+    clock_skew_allowance_s: float = 1.0
+    tombstone_s: float = 600.0
+
+
+class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
+    """Transfers of one D tensor-parallel rank. Called by D's transfer thread, never the engine."""
+
+    TABLE, NEW, TERMINAL = TABLE, DState.NEW, TERMINAL
+    EXPIRED, SUPERSEDED = DEvent.EXPIRED, DEvent.SUPERSEDED
+
+    def __init__(self, side_channel: str, tp_rank: int = 0, tp_size: int = 1,
+                 timeouts: ConsumerTimeouts = ConsumerTimeouts(), strict: bool = False):
+        super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
+        self.side_channel = side_channel  # where P answers us (host:port)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.timeouts = timeouts
+
+    def _new_entry(self, transfer_id: TransferId, now: float) -> ConsumerTransfer:
+        return ConsumerTransfer(transfer_id, DState.NEW, now)
+
+    # -- events from our own engine --------------------------------------------------------------
+    def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int, now: float) -> list[Action]:
+        """The decode leg of a request arrived; P (at ``p_side_channel``) will produce its KV."""
+        step = Step(self._clock(now))
+        entry = self._entry(transfer_id, step, create=True)
+        if entry.state is DState.NEW:
+            entry.p_side_channel, entry.p_tp_size = p_side_channel, p_tp_size
+            entry.next_heartbeat_at = step.now
+        self._fire(entry, DEvent.EXPECT, step)
+        return step.actions
+
+    def allocated(self, registration: Registration, now: float) -> list[Action]:
+        """Our scheduler allocated the destination blocks; register them with P. The core sets
+        ``expires_at`` from its watchdog."""
+        step = Step(self._clock(now), payload=registration)
+        entry = self._entry(registration.transfer_id, step, create=False)
+        if entry is None:
+            self._drop("allocated:unknown")
+            return []
+        self._fire(entry, DEvent.ALLOCATED, step)
+        return step.actions
+
+    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
+        """The decode request was aborted locally (client gone, preempted, shutting down)."""
+        step = Step(self._clock(now), reason=reason)
+        entry = self._entry(transfer_id, step, create=False)
+        if entry is None:
+            self._drop("abort:unknown")
+        else:
+            self._fire(entry, DEvent.ABORT, step)
+        return step.actions
+
+    # -- verdicts from P ---------------------------------------------------------------------------
+    def verdict(self, message: WriteDone | WriteFailed | CancelAck, now: float) -> list[Action]:
+        """P rank ``message.p_rank`` finished with this transfer: wrote it, failed, or cancelled."""
+        step = Step(self._clock(now), payload=message)
+        entry = self._entry(message.transfer_id, step, create=False)
+        name = type(message).__name__.lower()
+        if entry is None:
+            self._drop(f"{name}:unknown")
+        elif message.p_rank not in entry.owed_by or message.p_tp_size != entry.p_tp_size:
+            self._drop(f"{name}:{entry.state.value}")  # duplicate, late, or never owed
+        else:
+            entry.owed_by.discard(message.p_rank)
+            if not isinstance(message, WriteDone) and entry.failure is None:
+                entry.failure = (message.reason if isinstance(message, WriteFailed)
+                                 else "prefill acknowledged the cancellation")
+            step.reason = entry.failure
+            event = (DEvent.VERDICT if entry.owed_by else
+                     DEvent.DELIVERED if entry.failure is None else DEvent.UNDELIVERABLE)
+            self._fire(entry, event, step)
+        return step.actions
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: fire lapsed deadlines; heartbeat P for transfers still waiting on it."""
+        actions = self._tick(now)
+        for entry in self.entries.values():
+            if entry.state in (DState.PENDING, DState.REGISTERED) and self._now >= entry.next_heartbeat_at:
+                entry.next_heartbeat_at = self._now + self.timeouts.heartbeat_interval_s
+                actions.append(self._to_producer(entry, Heartbeat(entry.transfer_id, self._now)))
+        return actions
+
+    # -- effects ----------------------------------------------------------------------------------
+    def _to_producer(self, entry: ConsumerTransfer, message) -> SendMessage:
+        return SendMessage(entry.p_side_channel, tuple(range(entry.p_tp_size)), message)
+
+    def _run_effect(self, entry: ConsumerTransfer, effect: DEffect, step: Step) -> None:
+        t, tid = self.timeouts, entry.transfer_id
+        if effect is F.ARM_ADMISSION:
+            entry.deadline = step.now + t.admission_timeout_s
+        elif effect is F.SEND_REGISTRATION:
+            reg = msgspec.structs.replace(step.payload, expires_at=step.now + t.watchdog_s)
+            entry.registration, entry.deadline = reg, reg.expires_at
+            entry.owed_by = set(peer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size))
+            step.actions.append(self._to_producer(entry, reg))
+        elif effect is F.SEND_CANCEL:
+            step.actions.append(self._to_producer(entry, Cancel(
+                tid, self.side_channel, self.tp_size, step.reason or "decode cancelled")))
+        elif effect is F.ARM_FENCE:
+            entry.deadline = entry.registration.expires_at + t.max_write_s + t.clock_skew_allowance_s
+        elif effect is F.FINISH_LOAD:
+            step.actions.append(FinishLoad(tid))
+        elif effect is F.FREE_BLOCKS:
+            step.actions.append(FreeBlocks(tid, entry.registration.block_ids))
+        elif effect is F.FAIL:
+            step.actions.append(FailTransfer(tid, step.reason or entry.reason or entry.failure or "failed"))
+        elif effect is F.DROP:
+            self._drop(f"{step.payload.__class__.__name__.lower()}:{entry.state.value}")

@@ -1,0 +1,49 @@
+"""Synthetic KV region layouts for a model shape: what a platform layer would read off the real
+KV tensors. Used by the demo, the benchmarks and the tests; real deployments describe the tensors
+vLLM actually allocated (see ``neuron_disagg.platforms``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import Region
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    block_tokens: int = 16
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+QWEN3_32B = ModelShape(num_layers=64, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_tokens=16)
+
+
+def rank_regions(shape: ModelShape, num_blocks: int, tp_rank: int = 0, tp_size: int = 1,
+                 base_addr: int = 0, layout: str = "HND", device_id: int = 0) -> tuple[Region, ...]:
+    """One block-major region per layer and K/V, packed back to back from ``base_addr``."""
+    if shape.num_kv_heads % tp_size:
+        raise ValueError(f"{shape.num_kv_heads} KV heads do not split evenly over TP {tp_size}")
+    heads = shape.num_kv_heads // tp_size
+    block_bytes = heads * shape.block_tokens * shape.head_dim * shape.dtype_bytes
+    regions, addr = [], base_addr
+    for layer in range(shape.num_layers):
+        for kv in "kv":
+            regions.append(Region(
+                name=f"layers.{layer}.{kv}", base_addr=addr, block_stride_bytes=block_bytes,
+                num_blocks=num_blocks, heads=heads, first_head=tp_rank * heads,
+                head_bytes=shape.head_dim * shape.dtype_bytes, block_tokens=shape.block_tokens,
+                layout=layout, device_id=device_id))
+            addr += block_bytes * num_blocks
+    return tuple(regions)
+
+
+def regions_bytes(regions: tuple[Region, ...]) -> int:
+    """Bytes from the lowest region start to the highest region end."""
+    lo = min(r.base_addr for r in regions)
+    return max(r.base_addr + r.block_stride_bytes * r.num_blocks for r in regions) - lo

@@ -1,0 +1,173 @@
+"""The machinery both sides' state machines share: table lookup, strictness, time, tombstones and
+supersession. The tables themselves live in ``producer.py`` and ``consumer.py``.
+
+An entry is one transfer on one side, with an explicit state and at most one deadline. The owner
+feeds events with the current time; when an entry's deadline has passed, its EXPIRED event fires
+before anything else is applied to it, so no write is ever issued on a lapsed registration or lease.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from .actions import Action, Transitioned
+from .errors import ProtocolError
+from .messages import TransferId
+
+S = TypeVar("S", bound=enum.Enum)
+E = TypeVar("E", bound=enum.Enum)
+F = TypeVar("F", bound=enum.Enum)
+
+
+@dataclass(frozen=True)
+class Rule(Generic[S, F]):
+    """``next_state`` None means: stay. ``reason`` overrides the event's reason for effects."""
+
+    next_state: S | None
+    effects: tuple[F, ...] = ()
+    reason: str | None = None
+
+
+@dataclass
+class Entry(Generic[S]):
+    transfer_id: TransferId
+    state: S
+    created_at: float
+    deadline: float | None = None
+    reason: str | None = None
+    ended_at: float | None = None
+
+
+EntryT = TypeVar("EntryT", bound=Entry)
+
+
+@dataclass
+class Step:
+    """The context of one event as its effects run: what arrived and what must be sent out."""
+
+    now: float
+    reason: str | None = None
+    payload: Any = None
+    actions: list[Action] = field(default_factory=list)
+
+
+class StateMachine(Generic[S, E, F, EntryT]):
+    """One side's transfers. Subclasses provide TABLE, NEW, TERMINAL, EXPIRED, SUPERSEDED and
+    ``_run_effect``; they expose one public method per event."""
+
+    TABLE: dict[tuple[Any, Any], Rule]
+    NEW: Any
+    TERMINAL: frozenset
+    EXPIRED: Any
+    SUPERSEDED: Any
+
+    def __init__(self, *, tombstone_s: float, strict: bool = False):
+        self.entries: dict[TransferId, EntryT] = {}
+        self.counters: Counter[str] = Counter()
+        self.strict = strict
+        self._tombstone_s = tombstone_s
+        self._now = float("-inf")
+        self._latest_attempt: dict[str, int] = {}
+        self._attempts: dict[str, set[TransferId]] = {}  # request -> its attempts we hold
+
+    # -- time ------------------------------------------------------------------------------------
+    def _clock(self, now: float) -> float:
+        """Time never runs backwards inside a core: a clock stepped back keeps the latest time."""
+        self._now = max(self._now, now)
+        return self._now
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def _new_entry(self, transfer_id: TransferId, now: float) -> EntryT:
+        raise NotImplementedError
+
+    def _entry(self, transfer_id: TransferId, step: Step, create: bool) -> EntryT | None:
+        entry = self.entries.get(transfer_id)
+        if entry is None:
+            if not create:
+                return None
+            entry = self._new_entry(transfer_id, step.now)
+            self.entries[transfer_id] = entry
+            self._attempts.setdefault(transfer_id.request, set()).add(transfer_id)
+        self._supersede(entry, step)
+        self._expire_if_due(entry, step)
+        return entry
+
+    def _supersede(self, entry: EntryT, step: Step) -> None:
+        """A newer attempt of the same request supersedes every older one (invariant I1)."""
+        tid = entry.transfer_id
+        latest = self._latest_attempt.get(tid.request, -1)
+        if tid.attempt < latest:
+            if entry.state not in self.TERMINAL:
+                self._fire(entry, self.SUPERSEDED, step)
+            return
+        if tid.attempt > latest:
+            self._latest_attempt[tid.request] = tid.attempt
+            for other_id in self._attempts.get(tid.request, ()):
+                other = self.entries[other_id]
+                if tid.supersedes(other_id) and other.state not in self.TERMINAL:
+                    self._fire(other, self.SUPERSEDED, Step(step.now, actions=step.actions))
+
+    def _expire_if_due(self, entry: EntryT, step: Step) -> None:
+        if entry.deadline is not None and step.now >= entry.deadline:
+            self._fire(entry, self.EXPIRED, Step(step.now, actions=step.actions))
+
+    # -- transitions -----------------------------------------------------------------------------
+    def _fire(self, entry: EntryT, event: E, step: Step) -> None:
+        rule = self.TABLE.get((entry.state, event))
+        if rule is None:
+            self.counters[f"undefined:{entry.state.name}:{event.name}"] += 1
+            if self.strict:
+                raise ProtocolError(
+                    f"{entry.transfer_id}: no transition for {event.name} in {entry.state.name}"
+                )
+            return
+        if rule.reason is not None:
+            step.reason = rule.reason
+        before = entry.state
+        if rule.next_state is not None and rule.next_state is not before:
+            entry.state = rule.next_state
+            entry.reason = entry.reason or step.reason  # the first reason given sticks
+            if entry.state in self.TERMINAL:
+                entry.deadline = None
+                entry.ended_at = step.now
+            step.actions.append(
+                Transitioned(entry.transfer_id, before.name, entry.state.name, event.name,
+                             step.now, step.reason)
+            )
+        for effect in rule.effects:
+            self._run_effect(entry, effect, step)
+
+    def _run_effect(self, entry: EntryT, effect: F, step: Step) -> None:
+        raise NotImplementedError
+
+    def _drop(self, what: str) -> None:
+        self.counters[f"dropped:{what}"] += 1
+
+    # -- time passes -----------------------------------------------------------------------------
+    def _tick(self, now: float) -> list[Action]:
+        """Fire every lapsed deadline and forget tombstones older than ``tombstone_s``."""
+        step = Step(self._clock(now))
+        for entry in list(self.entries.values()):
+            self._expire_if_due(entry, step)
+            if entry.ended_at is not None and step.now - entry.ended_at >= self._tombstone_s:
+                self._forget(entry.transfer_id)
+        return step.actions
+
+    def _forget(self, transfer_id: TransferId) -> None:
+        del self.entries[transfer_id]
+        attempts = self._attempts[transfer_id.request]
+        attempts.discard(transfer_id)
+        if not attempts:
+            del self._attempts[transfer_id.request]
+            self._latest_attempt.pop(transfer_id.request, None)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def state_of(self, transfer_id: TransferId):
+        entry = self.entries.get(transfer_id)
+        return None if entry is None else entry.state
+
+    def live(self) -> list[EntryT]:
+        return [e for e in self.entries.values() if e.state not in self.TERMINAL]

@@ -1,0 +1,127 @@
+"""Every message that crosses the wire between a prefill (P) and a decode (D) instance.
+
+Direction D -> P: Registration, Heartbeat, Cancel.
+Direction P -> D: WriteDone (rides on the WRITE itself as its completion notification),
+WriteFailed, CancelAck.
+
+Times are Unix seconds from the sender's clock; deployments keep clocks in sync (chrony on AWS) and
+every deadline derived from a remote time is padded by ``clock_skew_allowance_s``.
+Encoding, signing and the checks on decode live in ``wire.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+
+class TransferId(msgspec.Struct, frozen=True, array_like=True):
+    """Names one attempt to move one request's KV from P to D.
+
+    ``request`` is the router's request id, shared by both legs. A retry of the same request gets
+    ``attempt + 1`` and supersedes every older attempt on both sides (invariant I1).
+    """
+
+    request: str
+    attempt: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.request}#{self.attempt}"
+
+    def supersedes(self, other: "TransferId") -> bool:
+        return self.request == other.request and self.attempt > other.attempt
+
+
+class Region(msgspec.Struct, frozen=True):
+    """One block-major KV region on one rank: one layer's K or V.
+
+    Block ``b`` lives at ``base_addr + b * block_stride_bytes``. Inside a block the layout is
+    ``HND`` (heads, tokens, head bytes) or ``NHD`` (tokens, heads, head bytes); a rank holds heads
+    ``first_head .. first_head + heads - 1`` of the model's KV heads.
+    """
+
+    name: str  # e.g. "layers.3.k": both sides must use the same names
+    base_addr: int
+    block_stride_bytes: int
+    num_blocks: int
+    heads: int
+    first_head: int
+    head_bytes: int  # bytes of one head of one token (head_dim * dtype size)
+    block_tokens: int
+    layout: Literal["HND", "NHD"] = "HND"
+    device_id: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.heads * self.block_tokens * self.head_bytes
+
+
+class RankRegions(msgspec.Struct, frozen=True):
+    """Where one D tensor-parallel rank's KV lives, and which NIXL agent owns it."""
+
+    tp_rank: int
+    agent_name: str
+    regions: tuple[Region, ...]
+
+
+class Registration(msgspec.Struct, frozen=True, tag="registration"):
+    """D -> P: "write this request's KV into these blocks of mine before ``expires_at``"."""
+
+    transfer_id: TransferId
+    d_engine_id: str
+    d_request_id: str
+    d_side_channel: str  # host:port where D listens for our replies
+    d_tp_size: int
+    ranks: tuple[RankRegions, ...]
+    block_ids: tuple[int, ...]  # D's destination blocks, the same ids on every D rank
+    # D already holds the request's first ``first_block_index`` blocks (a prefix-cache hit):
+    # block_ids[i] receives P's block number first_block_index + i.
+    first_block_index: int
+    expires_at: float
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """D -> P: "I still want this transfer" — renews P's lease on its finished blocks."""
+
+    transfer_id: TransferId
+    sent_at: float
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """D -> P: D gave up on the transfer; P must not start a write and must answer with CancelAck."""
+
+    transfer_id: TransferId
+    d_side_channel: str
+    d_tp_size: int
+    reason: str
+
+
+class WriteDone(msgspec.Struct, frozen=True, tag="write_done"):
+    """P -> D: every byte P's rank ``p_rank`` owed D's rank has landed."""
+
+    transfer_id: TransferId
+    p_rank: int
+    p_tp_size: int
+
+
+class WriteFailed(msgspec.Struct, frozen=True, tag="write_failed"):
+    """P -> D: P's rank ``p_rank`` will write nothing (more); no write of it is in flight."""
+
+    transfer_id: TransferId
+    p_rank: int
+    p_tp_size: int
+    reason: str
+
+
+class CancelAck(msgspec.Struct, frozen=True, tag="cancel_ack"):
+    """P -> D: P's rank ``p_rank`` honoured a Cancel; no write of it is in flight or will start."""
+
+    transfer_id: TransferId
+    p_rank: int
+    p_tp_size: int
+
+
+Message = Union[Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck]
+ToProducer = Union[Registration, Heartbeat, Cancel]
+ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

@@ -1,0 +1,195 @@
+"""Transfer plans: which bytes of P's KV go where in D's, as few descriptors as possible.
+
+Pure arithmetic on the two sides' region geometry (see ``messages.Region``) and block-id lists.
+Heads are split evenly across tensor-parallel ranks, so with different TP sizes a P rank writes
+the slice of its heads that each overlapping D rank holds. Contiguous descriptors within one region
+pair are merged: one descriptor per block per layer is the reference implementation's cost
+(tens of thousands per request); a contiguous block list collapses to one descriptor per region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PlanError
+from .messages import RankRegions, Region, Registration
+
+_U64 = np.uint64
+
+
+def peer_ranks(my_rank: int, my_tp: int, peer_tp: int) -> tuple[int, ...]:
+    """Ranks of a peer instance (TP size ``peer_tp``) whose heads overlap rank ``my_rank``'s."""
+    if not (0 <= my_rank < my_tp) or peer_tp < 1:
+        raise PlanError(f"rank {my_rank} is outside TP size {my_tp} (peer TP {peer_tp})")
+    # In units of 1/(my_tp*peer_tp) of the heads: mine span [my_rank*peer_tp, (my_rank+1)*peer_tp),
+    # the peer's rank r spans [r*my_tp, (r+1)*my_tp).
+    lo, hi = my_rank * peer_tp, (my_rank + 1) * peer_tp
+    first, last = lo // my_tp, -(-hi // my_tp) - 1
+    return tuple(range(first, last + 1))
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """All descriptors from one P rank into one D rank, merged. Arrays share one length."""
+
+    d_rank: int
+    d_agent: str
+    src_addr: np.ndarray
+    dst_addr: np.ndarray
+    length: np.ndarray
+    src_dev: np.ndarray
+    dst_dev: np.ndarray
+    unmerged_count: int
+
+    @property
+    def bytes(self) -> int:
+        return int(self.length.sum())
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    writes: tuple[RankWrite, ...] = field(default_factory=tuple)
+
+    @property
+    def descriptor_count(self) -> int:
+        return sum(len(w) for w in self.writes)
+
+    @property
+    def unmerged_count(self) -> int:
+        return sum(w.unmerged_count for w in self.writes)
+
+    @property
+    def bytes(self) -> int:
+        return sum(w.bytes for w in self.writes)
+
+
+def _check_compatible(src: Region, dst: Region) -> None:
+    for attr in ("head_bytes", "block_tokens", "layout"):
+        if getattr(src, attr) != getattr(dst, attr):
+            raise PlanError(
+                f"region {src.name}: {attr} differs between prefill ({getattr(src, attr)}) and "
+                f"decode ({getattr(dst, attr)}); both must serve the same model with the same "
+                "block size and KV layout"
+            )
+
+
+def _check_region(region: Region, side: str) -> None:
+    if region.heads < 1 or region.head_bytes < 1 or region.block_tokens < 1:
+        raise PlanError(f"{side} region {region.name} declares an empty block")
+    if region.block_stride_bytes < region.block_bytes:
+        raise PlanError(
+            f"{side} region {region.name}: block stride {region.block_stride_bytes} is smaller "
+            f"than a block ({region.block_bytes} bytes)"
+        )
+    if region.base_addr < 0 or region.num_blocks < 1:
+        raise PlanError(f"{side} region {region.name} has no memory")
+
+
+def _check_blocks(blocks: np.ndarray, region: Region, side: str) -> None:
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
+        raise PlanError(
+            f"{side} block ids must lie in 0..{region.num_blocks - 1} for region {region.name}; "
+            f"got {int(blocks.min())}..{int(blocks.max())}"
+        )
+
+
+def _segments(src: Region, dst: Region, src_blocks: np.ndarray, dst_blocks: np.ndarray):
+    """Unmerged (src, dst, length) arrays for one region pair, in block order."""
+    h0 = max(src.first_head, dst.first_head)
+    h1 = min(src.first_head + src.heads, dst.first_head + dst.heads)
+    if h0 >= h1:
+        return None
+    src_start = src_blocks.astype(_U64) * _U64(src.block_stride_bytes) + _U64(src.base_addr)
+    dst_start = dst_blocks.astype(_U64) * _U64(dst.block_stride_bytes) + _U64(dst.base_addr)
+    hb, tokens = src.head_bytes, src.block_tokens
+    if src.layout == "HND":  # the overlapping heads of a block are one contiguous span
+        src_off = np.array([(h0 - src.first_head) * tokens * hb], dtype=_U64)
+        dst_off = np.array([(h0 - dst.first_head) * tokens * hb], dtype=_U64)
+        seg_len = (h1 - h0) * tokens * hb
+    else:  # NHD: one span per token
+        t = np.arange(tokens, dtype=_U64)
+        src_off = t * _U64(src.heads * hb) + _U64((h0 - src.first_head) * hb)
+        dst_off = t * _U64(dst.heads * hb) + _U64((h0 - dst.first_head) * hb)
+        seg_len = (h1 - h0) * hb
+    s = (src_start[:, None] + src_off[None, :]).ravel()
+    d = (dst_start[:, None] + dst_off[None, :]).ravel()
+    return s, d, np.full(len(s), seg_len, dtype=_U64)
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+    """Merge back-to-back descriptors whose source and destination both continue the previous."""
+    if len(length) < 2:
+        return src, dst, length
+    continues = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def plan_rank_write(
+    local: Sequence[Region],
+    remote: RankRegions,
+    src_blocks: np.ndarray,
+    dst_blocks: np.ndarray,
+) -> RankWrite:
+    """Descriptors from one P rank's regions into one D rank's, merged per region pair."""
+    by_name = {r.name: r for r in remote.regions}
+    if set(by_name) != {r.name for r in local}:
+        missing = sorted({r.name for r in local} ^ set(by_name))[:4]
+        raise PlanError(
+            f"decode rank {remote.tp_rank} declares different KV regions than this prefill rank "
+            f"(e.g. {missing}); both must serve the same model"
+        )
+    parts: list[tuple[np.ndarray, ...]] = []
+    unmerged = 0
+    for src in local:
+        dst = by_name[src.name]
+        _check_region(dst, "decode")
+        _check_compatible(src, dst)
+        _check_blocks(src_blocks, src, "prefill")
+        _check_blocks(dst_blocks, dst, "decode")
+        seg = _segments(src, dst, src_blocks, dst_blocks)
+        if seg is None:
+            continue
+        unmerged += len(seg[0])
+        s, d, n = merge_runs(*seg)
+        parts.append((s, d, n, np.full(len(n), src.device_id), np.full(len(n), dst.device_id)))
+    if not parts:
+        raise PlanError(f"decode rank {remote.tp_rank} shares no KV heads with this prefill rank")
+    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts))
+    return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged)
+
+
+def plan_write(
+    local: Sequence[Region],
+    p_rank: int,
+    p_tp_size: int,
+    registration: Registration,
+    src_block_ids: Sequence[int],
+) -> WritePlan:
+    """Everything P's rank ``p_rank`` must write for ``registration``. Raises PlanError if the
+    registration is inconsistent with our geometry or block list — before any byte moves."""
+    first = registration.first_block_index
+    dst_blocks = np.asarray(registration.block_ids, dtype=np.int64)
+    if first < 0 or first + len(dst_blocks) != len(src_block_ids):
+        raise PlanError(
+            f"decode asks for blocks {first}..{first + len(dst_blocks) - 1} of a request that "
+            f"holds {len(src_block_ids)} blocks on prefill"
+        )
+    if len(np.unique(dst_blocks)) != len(dst_blocks):
+        raise PlanError("decode listed one destination block twice")
+    src_blocks = np.asarray(src_block_ids[first:], dtype=np.int64)
+    ranks = {r.tp_rank: r for r in registration.ranks}
+    writes = []
+    for d_rank in peer_ranks(p_rank, p_tp_size, registration.d_tp_size):
+        if d_rank not in ranks:
+            raise PlanError(f"registration lacks decode rank {d_rank} of {registration.d_tp_size}")
+        if len(dst_blocks) == 0:
+            continue
+        writes.append(plan_rank_write(local, ranks[d_rank], src_blocks, dst_blocks))
+    return WritePlan(tuple(writes))

@@ -1,0 +1,297 @@
+"""The prefill (P) side of one tensor-parallel rank: rendezvous, lease and write fencing.
+
+A transfer starts from whichever arrives first — D's registration or our own "KV ready" — and a
+write is submitted when both are there (the rendezvous). P never submits a write for a
+registration that is cancelled, expired or superseded (invariant I1), answers every registration
+with a verdict D can act on (WriteDone rides on the write; WriteFailed or CancelAck otherwise), and
+frees its own blocks exactly once (I4). Every non-terminal state has a deadline (I3).
+
+Every transition of this side is in ``TABLE``; a pair missing from it is a bug in the caller and is
+counted (and raised under ``strict``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .actions import AbortWrite, Action, FailTransfer, FreeBlocks, SendMessage, SubmitWrite
+from .errors import PlanError
+from .machine import Entry, Rule, StateMachine, Step
+from .messages import (
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    Region,
+    Registration,
+    TransferId,
+    WriteDone,
+    WriteFailed,
+)
+from .plan import peer_ranks, plan_write
+
+
+class PState(enum.Enum):
+    NEW = "new"                                  # not yet known; only a lookup key
+    AWAITING_KV = "awaiting_kv"                  # registration in; prefill still running
+    AWAITING_REGISTRATION = "awaiting_registration"  # our KV ready and held under a lease
+    WRITING = "writing"
+    WRITING_CANCELLED = "writing_cancelled"      # D cancelled while our write was in flight
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class PEvent(enum.Enum):
+    REGISTRATION = "registration"
+    KV_READY = "kv_ready"
+    WRITE_DONE = "write_done"
+    WRITE_FAILED = "write_failed"
+    HEARTBEAT = "heartbeat"
+    CANCEL = "cancel"
+    ABORT = "abort"
+    EXPIRED = "expired"
+    SUPERSEDED = "superseded"
+
+
+class PEffect(enum.Enum):
+    ARM_REGISTRATION = "deadline := the registration's expiry"
+    HOLD_BLOCKS = "remember the finished blocks"
+    START_LEASE = "deadline := now + lease_s"
+    RENEW_LEASE = "deadline := heartbeat's send time + lease_s"
+    SUBMIT_WRITE = "plan and submit the write; deadline := now + max_write_s"
+    ABORT_WRITE = "release the in-flight write"
+    FREE_BLOCKS = "free the held blocks"
+    FREE_LATE_BLOCKS = "free blocks handed over after the transfer ended"
+    NOTIFY_FAILED = "tell D: WriteFailed"
+    NOTIFY_CANCEL_ACK = "tell D: CancelAck"
+    FAIL = "report the failure upstream"
+    DROP = "count a message that changes nothing"
+
+
+S, E, F = PState, PEvent, PEffect
+_R = Rule
+TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
+
+TABLE: dict[tuple[PState, PEvent], Rule] = {
+    # -- first contact: either side of the rendezvous may come first -----------------------------
+    (S.NEW, E.REGISTRATION): _R(S.AWAITING_KV, (F.ARM_REGISTRATION,)),
+    (S.NEW, E.KV_READY): _R(S.AWAITING_REGISTRATION, (F.HOLD_BLOCKS, F.START_LEASE)),
+    (S.NEW, E.CANCEL): _R(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),  # tombstone fences a late registration
+    (S.NEW, E.ABORT): _R(S.FAILED, (), "prefill request aborted"),
+    (S.NEW, E.SUPERSEDED): _R(S.CANCELLED, (), "superseded by a newer attempt"),
+    # -- registration in, prefill running -------------------------------------------------------
+    (S.AWAITING_KV, E.KV_READY): _R(S.WRITING, (F.HOLD_BLOCKS, F.SUBMIT_WRITE)),
+    (S.AWAITING_KV, E.REGISTRATION): _R(None, (F.DROP,)),
+    (S.AWAITING_KV, E.HEARTBEAT): _R(None),
+    (S.AWAITING_KV, E.CANCEL): _R(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),
+    (S.AWAITING_KV, E.ABORT): _R(S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "prefill request aborted"),
+    (S.AWAITING_KV, E.EXPIRED): _R(
+        S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "registration expired before prefill finished"),
+    (S.AWAITING_KV, E.SUPERSEDED): _R(
+        S.CANCELLED, (F.NOTIFY_CANCEL_ACK,), "superseded by a newer attempt"),
+    # -- KV ready, held under a lease until D registers ----------------------------------------
+    (S.AWAITING_REGISTRATION, E.REGISTRATION): _R(S.WRITING, (F.SUBMIT_WRITE,)),
+    (S.AWAITING_REGISTRATION, E.HEARTBEAT): _R(None, (F.RENEW_LEASE,)),
+    (S.AWAITING_REGISTRATION, E.CANCEL): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.AWAITING_REGISTRATION, E.ABORT): _R(S.FAILED, (F.FREE_BLOCKS, F.FAIL), "prefill request aborted"),
+    (S.AWAITING_REGISTRATION, E.EXPIRED): _R(
+        S.FAILED, (F.FREE_BLOCKS, F.FAIL), "lease expired: no registration or heartbeat from decode"),
+    (S.AWAITING_REGISTRATION, E.SUPERSEDED): _R(
+        S.CANCELLED, (F.FREE_BLOCKS,), "superseded by a newer attempt"),
+    # -- our write is in flight: our blocks stay held until it ends ----------------------------
+    (S.WRITING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # WriteDone rode on the write
+    (S.WRITING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.WRITING, E.EXPIRED): _R(
+        S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL),
+        "write did not finish within max_write_s"),
+    (S.WRITING, E.CANCEL): _R(S.WRITING_CANCELLED),
+    (S.WRITING, E.SUPERSEDED): _R(S.WRITING_CANCELLED),
+    (S.WRITING, E.ABORT): _R(None),  # the write reads only blocks we hold; let it finish
+    (S.WRITING, E.HEARTBEAT): _R(None),
+    (S.WRITING, E.REGISTRATION): _R(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.WRITE_DONE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.WRITING_CANCELLED, E.WRITE_FAILED): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.WRITING_CANCELLED, E.EXPIRED): _R(
+        S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK),
+        "write did not finish within max_write_s"),
+    (S.WRITING_CANCELLED, E.CANCEL): _R(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.SUPERSEDED): _R(None),
+    (S.WRITING_CANCELLED, E.ABORT): _R(None),
+    (S.WRITING_CANCELLED, E.HEARTBEAT): _R(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.REGISTRATION): _R(None, (F.DROP,)),
+}
+for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLED, F.NOTIFY_CANCEL_ACK)):
+    TABLE.update({
+        # A registration or cancel after the end gets the same verdict again, so D never waits.
+        (_end, E.REGISTRATION): _R(None, (_answer,)),
+        (_end, E.CANCEL): _R(None, (_answer,)),
+        (_end, E.KV_READY): _R(None, (F.FREE_LATE_BLOCKS,)),  # e.g. D cancelled before prefill ended
+        (_end, E.HEARTBEAT): _R(None, (F.DROP,)),
+        (_end, E.ABORT): _R(None, (F.DROP,)),
+        (_end, E.SUPERSEDED): _R(None),
+        # A completion racing our own abort of the write (ABORT_WRITE on expiry).
+        (_end, E.WRITE_DONE): _R(None, (F.DROP,)),
+        (_end, E.WRITE_FAILED): _R(None, (F.DROP,)),
+    })
+
+
+@dataclass
+class ProducerTransfer(Entry[PState]):
+    registration: Registration | None = None
+    block_ids: tuple[int, ...] | None = None
+    reply_to: str | None = None  # D's side channel, from its registration or cancel
+    d_tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ProducerTimeouts:
+    lease_s: float = 30.0
+    max_write_s: float = 30.0
+    watchdog_s: float = 120.0  # caps how long a registration can keep us waiting
+    clock_skew_allowance_s: float = 1.0
+    tombstone_s: float = 600.0
+
+
+class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
+    """Transfers of one P tensor-parallel rank. Every method is called by that rank's writer
+    thread (or a test), never by the engine loop, and returns the actions to perform in order."""
+
+    TABLE, NEW, TERMINAL = TABLE, PState.NEW, TERMINAL
+    EXPIRED, SUPERSEDED = PEvent.EXPIRED, PEvent.SUPERSEDED
+
+    def __init__(self, regions: tuple[Region, ...], tp_rank: int = 0, tp_size: int = 1,
+                 timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False):
+        super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
+        self.regions = regions
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.timeouts = timeouts
+
+    def _new_entry(self, transfer_id: TransferId, now: float) -> ProducerTransfer:
+        return ProducerTransfer(transfer_id, PState.NEW, now)
+
+    # -- events -----------------------------------------------------------------------------------
+    def registration_received(self, registration: Registration, now: float) -> list[Action]:
+        """D's registration arrived (already decoded and signature-checked)."""
+        step = Step(self._clock(now), payload=registration)
+        if step.now >= registration.expires_at:  # delivered too late to be honoured (I1)
+            self._drop("registration:expired_on_arrival")
+            return []
+        entry = self._entry(registration.transfer_id, step, create=True)
+        if entry.registration is None or entry.state in TERMINAL:
+            entry.reply_to, entry.d_tp_size = registration.d_side_channel, registration.d_tp_size
+        self._fire(entry, PEvent.REGISTRATION, step)
+        return step.actions
+
+    def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], now: float) -> list[Action]:
+        """Prefill finished; ``block_ids`` (exactly the prompt's blocks) are ours to free."""
+        step = Step(self._clock(now), payload=tuple(block_ids))
+        self._fire(self._entry(transfer_id, step, create=True), PEvent.KV_READY, step)
+        return step.actions
+
+    def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:
+        """Every WRITE of the transfer completed (its notification went with it)."""
+        return self._local(transfer_id, PEvent.WRITE_DONE, now, None)
+
+    def write_failed(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
+        """The write failed and none of it is in flight any more."""
+        return self._local(transfer_id, PEvent.WRITE_FAILED, now, reason)
+
+    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
+        """The prefill request was aborted locally (client gone, engine shutting down)."""
+        step = Step(self._clock(now), reason=reason)
+        self._fire(self._entry(transfer_id, step, create=True), PEvent.ABORT, step)
+        return step.actions
+
+    def heartbeat(self, heartbeat: Heartbeat, now: float) -> list[Action]:
+        step = Step(self._clock(now), payload=heartbeat)
+        entry = self._entry(heartbeat.transfer_id, step, create=False)
+        if entry is None:
+            self._drop("heartbeat:unknown")
+        else:
+            self._fire(entry, PEvent.HEARTBEAT, step)
+        return step.actions
+
+    def cancel(self, cancel: Cancel, now: float) -> list[Action]:
+        step = Step(self._clock(now), reason=cancel.reason, payload=cancel)
+        entry = self._entry(cancel.transfer_id, step, create=True)
+        entry.reply_to = entry.reply_to or cancel.d_side_channel
+        if entry.registration is None:
+            entry.d_tp_size = cancel.d_tp_size
+        self._fire(entry, PEvent.CANCEL, step)
+        return step.actions
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: fire lapsed leases, registration expiries and write deadlines."""
+        return self._tick(now)
+
+    def _local(self, transfer_id: TransferId, event: PEvent, now: float, reason: str | None):
+        step = Step(self._clock(now), reason=reason)
+        entry = self.entries.get(transfer_id)
+        if entry is None:
+            self._drop(f"{event.value}:unknown")
+            return []
+        self._fire(entry, event, step)
+        return step.actions
+
+    # -- effects ----------------------------------------------------------------------------------
+    def _run_effect(self, entry: ProducerTransfer, effect: PEffect, step: Step) -> None:
+        t, tid = self.timeouts, entry.transfer_id
+        if effect is F.ARM_REGISTRATION:
+            entry.registration = step.payload
+            entry.deadline = min(step.payload.expires_at, step.now + t.watchdog_s + t.clock_skew_allowance_s)
+        elif effect is F.HOLD_BLOCKS:
+            entry.block_ids = step.payload
+        elif effect is F.START_LEASE:
+            entry.deadline = step.now + t.lease_s
+        elif effect is F.RENEW_LEASE:
+            sent_at = min(step.payload.sent_at, step.now)  # a heartbeat cannot buy time from the future
+            entry.deadline = max(entry.deadline or 0.0, sent_at + t.lease_s)
+        elif effect is F.SUBMIT_WRITE:
+            if entry.registration is None:
+                entry.registration = step.payload
+            self._submit(entry, step)
+        elif effect is F.ABORT_WRITE:
+            step.actions.append(AbortWrite(tid))
+        elif effect is F.FREE_BLOCKS:
+            if entry.block_ids is not None:
+                step.actions.append(FreeBlocks(tid, entry.block_ids))
+                entry.block_ids = None
+        elif effect is F.FREE_LATE_BLOCKS:
+            self._drop("kv_ready:after_end")
+            step.actions.append(FreeBlocks(tid, step.payload))
+        elif effect is F.NOTIFY_FAILED:
+            self._notify(entry, step, WriteFailed(tid, self.tp_rank, self.tp_size,
+                                                  step.reason or entry.reason or "failed"))
+        elif effect is F.NOTIFY_CANCEL_ACK:
+            self._notify(entry, step, CancelAck(tid, self.tp_rank, self.tp_size))
+        elif effect is F.FAIL:
+            step.actions.append(FailTransfer(tid, step.reason or entry.reason or "failed"))
+        elif effect is F.DROP:
+            self._drop(f"{type(step.payload).__name__.lower()}:{entry.state.value}")
+
+    def _notify(self, entry: ProducerTransfer, step: Step, message) -> None:
+        peer = entry.reply_to
+        if isinstance(step.payload, (Registration, Cancel)):  # answer whoever asked
+            peer = step.payload.d_side_channel
+        if peer is None:
+            self._drop("notify:no_peer")
+            return
+        d_tp = step.payload.d_tp_size if isinstance(step.payload, (Registration, Cancel)) else entry.d_tp_size
+        step.actions.append(SendMessage(peer, peer_ranks(self.tp_rank, self.tp_size, d_tp), message))
+
+    def _submit(self, entry: ProducerTransfer, step: Step) -> None:
+        reg = entry.registration
+        try:
+            plan = plan_write(self.regions, self.tp_rank, self.tp_size, reg, entry.block_ids)
+        except PlanError as exc:
+            self.counters["registration_rejected"] += 1
+            step.payload = None
+            self._fire(entry, PEvent.WRITE_FAILED, Step(step.now, f"registration rejected: {exc}",
+                                                         actions=step.actions))
+            return
+        entry.deadline = step.now + self.timeouts.max_write_s
+        step.actions.append(SubmitWrite(
+            entry.transfer_id, plan, reg.d_side_channel,
+            WriteDone(entry.transfer_id, self.tp_rank, self.tp_size)))
+

@@ -1,0 +1,228 @@
+"""Every row of the producer's transition table, plus the scenarios its invariants are about."""
+
+import pytest
+
+from neuron_disagg.protocol import (
+    AbortWrite, Cancel, CancelAck, FailTransfer, FreeBlocks, Heartbeat, ProducerCore,
+    ProducerTimeouts, ProtocolError, PState, RankRegions, Registration, SendMessage, SubmitWrite,
+    TransferId, WriteFailed,
+)
+from neuron_disagg.protocol.geometry import ModelShape, rank_regions
+from neuron_disagg.protocol.producer import TABLE, PEffect, PEvent
+
+SHAPE = ModelShape(2, 2, 8, 2, 4)
+REGIONS = rank_regions(SHAPE, 16)
+T = ProducerTimeouts(lease_s=10, max_write_s=5, watchdog_s=60, clock_skew_allowance_s=1, tombstone_s=100)
+TID = TransferId("req", 0)
+BLOCKS = (3, 4, 5)
+
+
+def registration(tid=TID, expires_at=50.0, blocks=(7, 8, 9), first=0):
+    return Registration(tid, "d", "d-req", "d-host:1", 1, (RankRegions(0, "d0", REGIONS),),
+                        blocks, first, expires_at)
+
+
+def cancel(tid=TID):
+    return Cancel(tid, "d-host:1", 1, "client went away")
+
+
+def core():
+    return ProducerCore(REGIONS, timeouts=T, strict=True)
+
+
+# How to bring a fresh core's transfer TID into each state, at t=0..3.
+PATHS = {
+    PState.NEW: [],
+    PState.AWAITING_KV: [lambda c: c.registration_received(registration(), 0)],
+    PState.AWAITING_REGISTRATION: [lambda c: c.kv_ready(TID, BLOCKS, 0)],
+    PState.WRITING: [lambda c: c.kv_ready(TID, BLOCKS, 0), lambda c: c.registration_received(registration(), 1)],
+    PState.WRITING_CANCELLED: [lambda c: c.kv_ready(TID, BLOCKS, 0),
+                               lambda c: c.registration_received(registration(), 1),
+                               lambda c: c.cancel(cancel(), 2)],
+    PState.DONE: [lambda c: c.kv_ready(TID, BLOCKS, 0), lambda c: c.registration_received(registration(), 1),
+                  lambda c: c.write_done(TID, 2)],
+    PState.FAILED: [lambda c: c.registration_received(registration(), 0), lambda c: c.abort(TID, "gone", 1)],
+    PState.CANCELLED: [lambda c: c.cancel(cancel(), 0)],
+}
+
+EVENTS = {
+    PEvent.REGISTRATION: lambda c, now: c.registration_received(registration(), now),
+    PEvent.KV_READY: lambda c, now: c.kv_ready(TID, (10, 11, 12), now),
+    PEvent.WRITE_DONE: lambda c, now: c.write_done(TID, now),
+    PEvent.WRITE_FAILED: lambda c, now: c.write_failed(TID, "transport error", now),
+    PEvent.HEARTBEAT: lambda c, now: c.heartbeat(Heartbeat(TID, now), now),
+    PEvent.CANCEL: lambda c, now: c.cancel(cancel(), now),
+    PEvent.ABORT: lambda c, now: c.abort(TID, "engine shutdown", now),
+    PEvent.EXPIRED: lambda c, now: c.tick(1000.0),
+    PEvent.SUPERSEDED: lambda c, now: c.kv_ready(TransferId("req", 1), (13,), now),
+}
+
+EFFECT_ACTIONS = {
+    PEffect.SUBMIT_WRITE: SubmitWrite, PEffect.ABORT_WRITE: AbortWrite, PEffect.FAIL: FailTransfer,
+    PEffect.FREE_LATE_BLOCKS: FreeBlocks,
+}
+
+
+def _reach(state):
+    c = core()
+    for step in PATHS[state]:
+        step(c)
+    assert c.state_of(TID) is (None if state is PState.NEW else state)
+    return c
+
+
+@pytest.mark.parametrize("state,event", sorted(TABLE, key=lambda k: (k[0].value, k[1].value)),
+                         ids=lambda v: v.name)
+def test_every_table_row(state, event):
+    if state is PState.NEW and event is PEvent.SUPERSEDED:
+        c = core()
+        c.kv_ready(TransferId("req", 1), (13,), 0)  # the newer attempt is known first
+        actions = c.registration_received(registration(), 1)
+        assert c.state_of(TID) is PState.CANCELLED
+        assert [a.message for a in actions if isinstance(a, SendMessage)] == [CancelAck(TID, 0, 1)]
+        return
+    rule = TABLE[(state, event)]
+    c = _reach(state)
+    held_before = c.entries[TID].block_ids if TID in c.entries else None
+    dropped_before = sum(v for k, v in c.counters.items() if k.startswith("dropped"))
+    actions = EVENTS[event](c, 3.0)
+    expected_state = rule.next_state or state
+    if state is PState.NEW and rule.next_state is None:
+        assert c.state_of(TID) is None
+    else:
+        assert c.state_of(TID) is expected_state
+    kinds = [type(a) for a in actions if a.__class__.__name__ != "Transitioned"]
+    for effect in rule.effects:
+        if effect in EFFECT_ACTIONS:
+            assert EFFECT_ACTIONS[effect] in kinds, (effect, actions)
+        elif effect is PEffect.FREE_BLOCKS:
+            assert FreeBlocks in kinds and held_before is not None
+            assert [a.block_ids for a in actions if isinstance(a, FreeBlocks)] == [held_before]
+        elif effect in (PEffect.NOTIFY_FAILED, PEffect.NOTIFY_CANCEL_ACK):
+            wanted = WriteFailed if effect is PEffect.NOTIFY_FAILED else CancelAck
+            sent = [a for a in actions if isinstance(a, SendMessage)]
+            assert any(isinstance(a.message, wanted) and a.peer == "d-host:1" for a in sent), actions
+        elif effect is PEffect.DROP:
+            assert sum(v for k, v in c.counters.items() if k.startswith("dropped")) > dropped_before
+    if PEffect.FREE_BLOCKS not in rule.effects and PEffect.FREE_LATE_BLOCKS not in rule.effects:
+        assert FreeBlocks not in kinds
+
+
+def test_undefined_pairs_raise_in_strict_mode_and_are_counted_otherwise():
+    c = _reach(PState.AWAITING_KV)
+    with pytest.raises(ProtocolError, match="no transition for WRITE_DONE in AWAITING_KV"):
+        c.write_done(TID, 1)
+    lenient = ProducerCore(REGIONS, timeouts=T)
+    lenient.registration_received(registration(), 0)
+    assert lenient.write_done(TID, 1) == []
+    assert lenient.counters["undefined:AWAITING_KV:WRITE_DONE"] == 1
+
+
+@pytest.mark.parametrize("registration_first", [True, False])
+def test_rendezvous_matches_in_either_order_and_plans_the_write(registration_first):
+    c = core()
+    steps = [lambda: c.registration_received(registration(), 1), lambda: c.kv_ready(TID, BLOCKS, 2)]
+    actions = [a for step in (steps if registration_first else steps[::-1]) for a in step()]
+    (submit,) = [a for a in actions if isinstance(a, SubmitWrite)]
+    assert submit.plan.bytes == 3 * len(REGIONS) * REGIONS[0].block_bytes
+    assert submit.notification.transfer_id == TID and submit.d_side_channel == "d-host:1"
+    assert c.entries[TID].deadline == 2 + T.max_write_s
+
+
+def test_registration_expired_on_arrival_is_never_written():
+    c = core()
+    c.kv_ready(TID, BLOCKS, 0)
+    assert c.registration_received(registration(expires_at=5.0), 6.0) == []
+    assert c.counters["dropped:registration:expired_on_arrival"] == 1
+    assert c.state_of(TID) is PState.AWAITING_REGISTRATION
+
+
+def test_registration_lapses_before_kv_ready_then_late_kv_is_freed():
+    c = core()
+    c.registration_received(registration(expires_at=5.0), 0)
+    actions = c.kv_ready(TID, BLOCKS, 5.0)  # the expiry fires first: no write on a lapsed registration
+    assert not any(isinstance(a, SubmitWrite) for a in actions)
+    assert [a for a in actions if isinstance(a, FreeBlocks)] == [FreeBlocks(TID, BLOCKS)]
+    assert c.state_of(TID) is PState.FAILED
+
+
+def test_heartbeats_renew_the_lease_by_transfer_id_but_not_from_the_future():
+    c = core()
+    c.kv_ready(TID, BLOCKS, 0)
+    c.heartbeat(Heartbeat(TID, 8.0), 8.0)
+    assert c.entries[TID].deadline == 18.0
+    c.heartbeat(Heartbeat(TID, 500.0), 9.0)  # a skewed or buggy sender cannot buy time ahead
+    assert c.entries[TID].deadline == 19.0
+    assert c.tick(18.9) == []
+    actions = c.tick(19.0)
+    assert FreeBlocks(TID, BLOCKS) in actions
+    assert any(isinstance(a, FailTransfer) and "lease expired" in a.reason for a in actions)
+
+
+def test_heartbeat_for_unknown_transfer_is_counted_not_created():
+    c = core()
+    c.heartbeat(Heartbeat(TransferId("nobody"), 1), 1)
+    assert c.counters["dropped:heartbeat:unknown"] == 1 and not c.entries
+
+
+def test_write_timeout_aborts_the_write_before_freeing_and_tells_d():
+    c = _reach(PState.WRITING)
+    actions = c.tick(1 + T.max_write_s)
+    kinds = [type(a).__name__ for a in actions]
+    assert kinds.index("AbortWrite") < kinds.index("FreeBlocks")
+    (sent,) = [a for a in actions if isinstance(a, SendMessage)]
+    assert isinstance(sent.message, WriteFailed) and "max_write_s" in sent.message.reason
+
+
+def test_cancel_during_write_keeps_blocks_until_the_write_ends():
+    c = _reach(PState.WRITING_CANCELLED)
+    assert c.entries[TID].block_ids == BLOCKS
+    actions = c.write_failed(TID, "peer reset", 3)
+    assert FreeBlocks(TID, BLOCKS) in actions
+    assert any(isinstance(a, SendMessage) and isinstance(a.message, CancelAck) for a in actions)
+
+
+def test_cancel_before_anything_fences_a_late_registration():
+    c = core()
+    c.cancel(cancel(), 0)
+    actions = c.registration_received(registration(), 1)
+    assert not any(isinstance(a, SubmitWrite) for a in actions)
+    assert [type(a.message) for a in actions if isinstance(a, SendMessage)] == [CancelAck]
+    assert c.kv_ready(TID, BLOCKS, 2) == [FreeBlocks(TID, BLOCKS)]
+
+
+def test_newer_attempt_supersedes_a_held_transfer_and_stale_ones_never_write():
+    c = core()
+    c.kv_ready(TID, BLOCKS, 0)
+    newer = TransferId("req", 1)
+    actions = c.registration_received(registration(newer), 1)
+    assert FreeBlocks(TID, BLOCKS) in actions and c.state_of(TID) is PState.CANCELLED
+    actions = c.registration_received(registration(TID), 2)
+    assert not any(isinstance(a, SubmitWrite) for a in actions)
+
+
+def test_forged_geometry_is_rejected_before_any_write_and_counted():
+    c = core()
+    c.kv_ready(TID, BLOCKS, 0)
+    actions = c.registration_received(registration(blocks=(7, 8, 999)), 1)
+    assert not any(isinstance(a, SubmitWrite) for a in actions)
+    assert c.counters["registration_rejected"] == 1
+    assert FreeBlocks(TID, BLOCKS) in actions
+    (sent,) = [a for a in actions if isinstance(a, SendMessage)]
+    assert "registration rejected" in sent.message.reason
+
+
+def test_tombstones_are_forgotten_after_tombstone_s():
+    c = _reach(PState.DONE)
+    c.tick(2 + T.tombstone_s - 0.1)
+    assert TID in c.entries
+    c.tick(2 + T.tombstone_s)
+    assert TID not in c.entries
+
+
+def test_clock_stepping_back_does_not_extend_anything():
+    c = core()
+    c.kv_ready(TID, BLOCKS, 100.0)
+    c.tick(50.0)  # clock stepped back
+    c.kv_ready(TransferId("other"), (1,), 50.0)
+    assert c.entries[TransferId("other")].deadline == 100.0 + T.lease_s
