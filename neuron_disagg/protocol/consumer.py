@@ -180,7 +180,8 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         name = type(message).__name__.lower()
         if entry is None:
             self._drop(f"{name}:unknown")
-        elif message.p_rank not in entry.owed_by or message.p_tp_size != entry.p_tp_size:
+        elif (entry.state in TERMINAL or message.p_rank not in entry.owed_by
+              or message.p_tp_size != entry.p_tp_size):
             self._drop(f"{name}:{entry.state.value}")  # duplicate, late, or never owed
         else:
             entry.owed_by.discard(message.p_rank)

@@ -111,8 +111,12 @@ class StateMachine(Generic[S, E, F, EntryT]):
                     self._fire(other, self.SUPERSEDED, Step(step.now, actions=step.actions))
 
     def _expire_if_due(self, entry: EntryT, step: Step) -> None:
-        if entry.deadline is not None and step.now >= entry.deadline:
+        # After a long pause several deadlines may have lapsed in a row (watchdog, then fence).
+        while entry.deadline is not None and step.now >= entry.deadline:
+            deadline = entry.deadline
             self._fire(entry, self.EXPIRED, Step(step.now, actions=step.actions))
+            if entry.deadline == deadline:  # a state whose deadline does not move on expiry
+                break
 
     # -- transitions -----------------------------------------------------------------------------
     def _fire(self, entry: EntryT, event: E, step: Step) -> None:

@@ -1,0 +1,314 @@
+"""One P core and one D core driven through random interleavings over a lossy, reordering,
+duplicating network with forged messages and clock jumps. After every step: I1 (writes only for
+current registrations), I2 (no D block freed or reused under a write), I3 (every transfer terminal
+within its bound), I4 (blocks freed exactly once; pools whole at the end), I7 in miniature (the
+bytes D hands to decode are exactly P's KV for those positions, including after prefix hits)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from neuron_disagg.protocol import (
+    AbortWrite, Cancel, ConsumerCore, ConsumerTimeouts, DState, FailTransfer, FinishLoad, FreeBlocks,
+    Heartbeat, MessageError, ProducerCore, ProducerTimeouts, PState, RankRegions, Registration,
+    SendMessage, SubmitWrite, TransferId, Transitioned, WireCodec, WriteDone, WriteFailed,
+)
+from neuron_disagg.protocol.geometry import ModelShape, rank_regions, regions_bytes
+from neuron_disagg.transfer.memory import MemoryFabric
+
+SHAPE = ModelShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype_bytes=1, block_tokens=1)
+POOL = 24
+PT = ProducerTimeouts(lease_s=3, max_write_s=2, watchdog_s=5, clock_skew_allowance_s=0.5, tombstone_s=40)
+DT = ConsumerTimeouts(watchdog_s=5, admission_timeout_s=4, heartbeat_interval_s=1, max_write_s=2,
+                      clock_skew_allowance_s=0.5, tombstone_s=40)
+D_BOUND = DT.admission_timeout_s + DT.watchdog_s + DT.max_write_s + DT.clock_skew_allowance_s
+P_BOUND = 2 * PT.lease_s + DT.admission_timeout_s + DT.watchdog_s + PT.max_write_s + PT.clock_skew_allowance_s
+SECRET = b"stateful-test-secret-0123456789!"
+D_ADDR, P_ADDR = "d:1", "p:1"
+
+
+class PushProtocol(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+        self.codec = WireCodec(SECRET)
+        self.forger = WireCodec(b"not-the-deployment-secret-000000")
+        self.regions = rank_regions(SHAPE, POOL)
+        self.fabric = MemoryFabric()
+        self.fabric.register("p", regions_bytes(self.regions))
+        self.fabric.register("d0", regions_bytes(self.regions))
+        self.p = ProducerCore(self.regions, timeouts=PT, strict=True)
+        self.d = ConsumerCore(D_ADDR, timeouts=DT, strict=True)
+        self.p_free, self.d_free = set(range(POOL)), set(range(POOL))
+        self.p_held: dict[TransferId, tuple[int, ...]] = {}   # P blocks owned by a transfer
+        self.d_owned: dict[TransferId, tuple[int, ...]] = {}  # D blocks registered for a transfer
+        self.d_decoding: dict[TransferId, tuple[int, ...]] = {}
+        self.prefix: dict[TransferId, tuple[int, ...]] = {}   # D blocks holding a prefix-cache hit
+        self.to_p: list[bytes] = []
+        self.to_d: list[bytes] = []
+        self.in_flight: dict[TransferId, SubmitWrite] = {}
+        self.landed: set[TransferId] = set()
+        self.prefilling: list[TransferId] = []
+        self.pending_on_d: list[TransferId] = []
+        self.length: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.next_request = 0
+        self.p_heard_cancel: set[TransferId] = set()
+        self.p_latest_attempt: dict[str, int] = {}
+        self.forged = 0
+
+    # -- the harness performs what the cores ask ----------------------------------------------------
+    def perform(self, side, actions):
+        for action in actions:
+            if isinstance(action, SubmitWrite):
+                self.check_write_is_current(action)
+                self.in_flight[action.transfer_id] = action
+            elif isinstance(action, AbortWrite):
+                self.in_flight.pop(action.transfer_id, None)
+            elif isinstance(action, SendMessage):
+                (self.to_d if side == "p" else self.to_p).append(self.codec.encode(action.message))
+            elif isinstance(action, FreeBlocks):
+                self.free(side, action)
+            elif isinstance(action, FinishLoad):
+                self.finish_load(action.transfer_id)
+            elif isinstance(action, (FailTransfer, Transitioned)):
+                pass
+            else:
+                raise AssertionError(f"unexpected action {action}")
+
+    def check_write_is_current(self, submit: SubmitWrite):
+        tid = submit.transfer_id
+        reg = self.p.entries[tid].registration
+        assert tid not in self.p_heard_cancel, f"I1: write for {tid} after P heard its Cancel"
+        assert self.now < reg.expires_at, f"I1: write for {tid} on an expired registration"
+        assert tid.attempt >= self.p_latest_attempt.get(tid.request, 0), f"I1: superseded {tid} written"
+
+    def free(self, side, action: FreeBlocks):
+        tid, blocks = action.transfer_id, tuple(action.block_ids)
+        if side == "p":
+            assert self.p_held.pop(tid, None) == blocks, f"I4: P freed {blocks} of {tid} not held"
+            assert not self.p_free & set(blocks)
+            self.p_free |= set(blocks)
+        else:
+            assert tid not in self.in_flight, f"I2: D freed {tid}'s blocks under an in-flight write"
+            assert self.d_owned.pop(tid, None) == blocks, f"I4: D freed {blocks} of {tid} not owned"
+            self.d_free |= set(blocks) | set(self.prefix.pop(tid, ()))
+
+    def finish_load(self, tid):
+        assert tid in self.landed, f"I7: {tid} handed to decode before its write landed"
+        blocks = self.prefix.pop(tid, ()) + self.d_owned.pop(tid)
+        for pos, block in enumerate(blocks):
+            assert self.d_block(block) == self.pattern(tid.request, pos), f"I7: {tid} position {pos} corrupt"
+        self.d_decoding[tid] = blocks
+
+    # -- memory contents ---------------------------------------------------------------------------
+    def pattern(self, request: str, pos: int) -> bytes:
+        rng = np.random.default_rng([int(request[1:]), pos])
+        return rng.integers(0, 256, size=len(self.regions) * self.regions[0].block_bytes, dtype=np.uint8).tobytes()
+
+    def _block(self, agent, block, data=None):
+        mem, out = self.fabric.memory[agent], []
+        for i, region in enumerate(self.regions):
+            n = region.block_bytes
+            start = region.base_addr + block * region.block_stride_bytes
+            if data is None:
+                out.append(bytes(mem[start:start + n]))
+            else:
+                mem[start:start + n] = data[i * n:(i + 1) * n]
+        return b"".join(out)
+
+    def d_block(self, block):
+        return self._block("d0", block)
+
+    # -- the router and the two engines -----------------------------------------------------------------
+    def take(self, pool, n):
+        blocks = tuple(sorted(pool)[:n]) if n <= len(pool) else None
+        if blocks:
+            pool.difference_update(blocks)
+        return blocks
+
+    @rule(length=st.integers(1, 4), retry=st.booleans())
+    def request_arrives(self, length, retry):
+        """The router sends both legs at once; with ``retry`` it re-sends an earlier request."""
+        if retry and self.length:
+            request = sorted(self.length)[self.next_request % len(self.length)]
+            attempt = self.attempts[request] = self.attempts[request] + 1
+        else:
+            request, attempt = f"r{self.next_request}", 0
+            self.length[request], self.attempts[request] = length, 0
+        self.next_request += 1
+        tid = TransferId(request, attempt)
+        self.prefilling.append(tid)
+        self.pending_on_d.append(tid)
+        self.perform("d", self.d.expect(tid, P_ADDR, 1, self.now))
+
+    @precondition(lambda self: self.prefilling)
+    @rule(i=st.integers(0, 100))
+    def prefill_finishes(self, i):
+        tid = self.prefilling.pop(i % len(self.prefilling))
+        blocks = self.take(self.p_free, self.length[tid.request])
+        if blocks is None:
+            self.perform("p", self.p.abort(tid, "prefill out of blocks", self.now))
+            return
+        for pos, block in enumerate(blocks):
+            self._block("p", block, self.pattern(tid.request, pos))
+        self.p_held[tid] = blocks
+        self.perform("p", self.p.kv_ready(tid, blocks, self.now))
+
+    @precondition(lambda self: self.pending_on_d)
+    @rule(i=st.integers(0, 100), hit=st.integers(0, 4))
+    def decode_allocates(self, i, hit):
+        tid = self.pending_on_d.pop(i % len(self.pending_on_d))
+        if self.d.state_of(tid) is not DState.PENDING:
+            return
+        n = self.length[tid.request]
+        hit = min(hit, n - 1)  # D already holds the first ``hit`` positions (prefix cache)
+        blocks = self.take(self.d_free, n)
+        if blocks is None:
+            return
+        prefix, fresh = blocks[:hit], blocks[hit:]
+        for pos, block in enumerate(prefix):
+            self._block("d0", block, self.pattern(tid.request, pos))
+        for block in fresh:  # stale garbage from whoever used the block before
+            self._block("d0", block, bytes(len(self.regions) * self.regions[0].block_bytes))
+        self.prefix[tid], self.d_owned[tid] = prefix, fresh
+        reg = Registration(tid, "d", f"d-{tid}", D_ADDR, 1, (RankRegions(0, "d0", self.regions),),
+                           fresh, hit, 0.0)
+        self.perform("d", self.d.allocated(reg, self.now))
+
+    @precondition(lambda self: self.d.live())
+    @rule(i=st.integers(0, 100))
+    def decode_aborts(self, i):
+        live = self.d.live()
+        self.perform("d", self.d.abort(live[i % len(live)].transfer_id, "client disconnected", self.now))
+
+    @precondition(lambda self: self.p.live())
+    @rule(i=st.integers(0, 100))
+    def prefill_aborts(self, i):
+        live = self.p.live()
+        self.perform("p", self.p.abort(live[i % len(live)].transfer_id, "engine shutdown", self.now))
+
+    @precondition(lambda self: self.d_decoding)
+    @rule()
+    def decode_finishes(self):
+        tid = sorted(self.d_decoding, key=str)[0]
+        self.d_free |= set(self.d_decoding.pop(tid))
+
+    # -- the fabric --------------------------------------------------------------------------------
+    @precondition(lambda self: self.in_flight)
+    @rule(i=st.integers(0, 100))
+    def write_lands(self, i):
+        tid = sorted(self.in_flight, key=str)[i % len(self.in_flight)]
+        submit = self.in_flight.pop(tid)
+        for write in submit.plan.writes:  # I2: every destination block is still this transfer's
+            owned = self.d_owned.get(tid)
+            assert owned is not None, f"I2: {tid} wrote into blocks D no longer holds for it"
+        self.fabric.execute("p", submit.plan)
+        self.landed.add(tid)
+        self.to_d.append(self.codec.encode(submit.notification))
+        self.perform("p", self.p.write_done(tid, self.now))
+
+    @precondition(lambda self: self.in_flight)
+    @rule(i=st.integers(0, 100))
+    def write_fails(self, i):
+        tid = sorted(self.in_flight, key=str)[i % len(self.in_flight)]
+        del self.in_flight[tid]
+        self.perform("p", self.p.write_failed(tid, "remote disconnected", self.now))
+
+    # -- the network ---------------------------------------------------------------------------------
+    @precondition(lambda self: self.to_p or self.to_d)
+    @rule(i=st.integers(0, 100), to_p=st.booleans(), fate=st.sampled_from(["deliver"] * 4 + ["dup", "drop"]))
+    def network(self, i, to_p, fate):
+        queue = self.to_p if (to_p and self.to_p) or not self.to_d else self.to_d
+        frame = queue[i % len(queue)]
+        if fate != "dup":
+            queue.remove(frame)
+        if fate != "drop":
+            self.deliver(queue is self.to_p, frame)
+
+    def deliver(self, to_p, frame):
+        message = self.codec.decode(frame)
+        if to_p:
+            if isinstance(message, Cancel):
+                self.p_heard_cancel.add(message.transfer_id)
+            tid = message.transfer_id
+            if isinstance(message, Registration):
+                self.p_latest_attempt[tid.request] = max(self.p_latest_attempt.get(tid.request, 0), tid.attempt)
+                self.perform("p", self.p.registration_received(message, self.now))
+            elif isinstance(message, Heartbeat):
+                self.perform("p", self.p.heartbeat(message, self.now))
+            else:
+                self.perform("p", self.p.cancel(message, self.now))
+        else:
+            self.perform("d", self.d.verdict(message, self.now))
+
+    @rule(to_p=st.booleans(), request=st.integers(0, 5), kind=st.sampled_from(["cancel", "done", "failed", "registration"]))
+    def forged_message(self, to_p, request, kind):
+        tid = TransferId(f"r{request}", 0)
+        message = {"cancel": Cancel(tid, D_ADDR, 1, "forged"), "done": WriteDone(tid, 0, 1),
+                   "failed": WriteFailed(tid, 0, 1, "forged"),
+                   "registration": Registration(tid, "evil", "x", "evil:1", 1,
+                                                (RankRegions(0, "d0", self.regions),), (0,), 0, 1e12)}[kind]
+        try:
+            self.codec.decode(self.forger.encode(message))
+        except MessageError:
+            self.forged += 1
+        else:
+            raise AssertionError("a message signed with another secret was accepted")
+
+    @rule(to_p=st.booleans(), request=st.integers(50, 60))
+    def message_for_unknown_transfer(self, to_p, request):
+        tid = TransferId(f"r{request}", 0)
+        frame = self.codec.encode(Heartbeat(tid, self.now) if to_p else WriteDone(tid, 0, 1))
+        self.deliver(to_p, frame)
+
+    # -- time -------------------------------------------------------------------------------------------
+    @rule(dt=st.sampled_from([0.1, 0.4, 1.0, 2.5, 7.0, 30.0]))
+    def time_passes(self, dt):
+        self.now += dt
+        self.perform("p", self.p.tick(self.now))
+        self.perform("d", self.d.tick(self.now))
+
+    # -- invariants ---------------------------------------------------------------------------------------
+    @invariant()
+    def pools_are_conserved(self):
+        held = [b for blocks in self.p_held.values() for b in blocks]
+        assert len(held) == len(set(held)) and not set(held) & self.p_free
+        assert len(held) + len(self.p_free) == POOL
+        used = [b for group in (self.d_owned, self.d_decoding, self.prefix) for blocks in group.values() for b in blocks]
+        assert len(used) == len(set(used)) and not set(used) & self.d_free
+        assert len(used) + len(self.d_free) == POOL
+
+    @invariant()
+    def every_transfer_ends_within_its_bound(self):
+        for side, core, bound in (("P", self.p, P_BOUND), ("D", self.d, D_BOUND)):
+            for entry in core.live():
+                assert self.now < entry.created_at + bound, (
+                    f"I3: {side} {entry.transfer_id} still {entry.state.name} at {self.now}, "
+                    f"created {entry.created_at}, bound {bound}")
+
+    @invariant()
+    def nothing_undefined_happened(self):
+        assert not [k for k in list(self.p.counters) + list(self.d.counters) if k.startswith("undefined")]
+
+    def teardown(self):
+        """Let time run out: every transfer must end and every block come home."""
+        for _ in range(4):
+            while self.to_p or self.to_d:
+                queue = self.to_p or self.to_d
+                self.deliver(queue is self.to_p, queue.pop(0))
+            self.time_passes(P_BOUND + 1)
+            for tid in list(self.d_decoding):
+                self.d_free |= set(self.d_decoding.pop(tid))
+        assert not self.p.live() and not self.d.live()
+        assert not self.in_flight
+        assert self.p_free == set(range(POOL)), "I4: P blocks leaked"
+        assert self.d_free == set(range(POOL)), "I4: D blocks leaked"
+
+
+PushProtocol.TestCase.settings = settings(
+    max_examples=int(__import__("os").environ.get("STATEFUL_EXAMPLES", "150")),
+    stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestPushProtocol = PushProtocol.TestCase
