@@ -45,7 +45,7 @@ EVENTS = {
     DEvent.DELIVERED: lambda c, now: c.verdict(WriteDone(TID, 0, 1), now),
     DEvent.UNDELIVERABLE: lambda c, now: c.verdict(WriteFailed(TID, 0, 1, "peer died"), now),
     DEvent.ABORT: lambda c, now: c.abort(TID, "client gone", now),
-    DEvent.EXPIRED: lambda c, now: c.tick(1000.0),
+    DEvent.EXPIRED: lambda c, now: c.tick(c.entries[TID].deadline),  # just the next deadline
     DEvent.SUPERSEDED: lambda c, now: c.expect(TransferId("req", 1), "p-host:1", 1, now),
 }
 

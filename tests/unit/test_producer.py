@@ -53,7 +53,7 @@ EVENTS = {
     PEvent.HEARTBEAT: lambda c, now: c.heartbeat(Heartbeat(TID, now), now),
     PEvent.CANCEL: lambda c, now: c.cancel(cancel(), now),
     PEvent.ABORT: lambda c, now: c.abort(TID, "engine shutdown", now),
-    PEvent.EXPIRED: lambda c, now: c.tick(1000.0),
+    PEvent.EXPIRED: lambda c, now: c.tick(c.entries[TID].deadline),  # just the next deadline
     PEvent.SUPERSEDED: lambda c, now: c.kv_ready(TransferId("req", 1), (13,), now),
 }
 

@@ -1,0 +1,83 @@
+"""Per-request cost of the protocol core and the size of its transfer plans.
+
+Geometry: Qwen3-32B (64 layers, 8 KV heads, head_dim 128, bf16), blocks of 16 tokens, TP 8 on both
+sides, a 16k-token request (1,024 blocks). For each block-list shape it prints the descriptors one
+P rank would post before and after merging, the time to plan them, and the whole core's time per
+request on each side (P: registration + kv-ready + plan + write-done; D: expect + allocated +
+verdict). Run: .venv/bin/python benchmarks/core_overhead.py [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from neuron_disagg.protocol import (
+    ConsumerCore, ProducerCore, RankRegions, Registration, TransferId, WireCodec, WriteDone, plan_write,
+)
+from neuron_disagg.protocol.geometry import QWEN3_32B, rank_regions
+
+TP, TOKENS = 8, 16_384
+BLOCKS = TOKENS // QWEN3_32B.block_tokens
+POOL = 4 * BLOCKS
+
+
+def block_lists(rng):
+    contiguous = list(range(100, 100 + BLOCKS))
+    runs_of_8 = [int(b) for start in rng.choice(POOL // 8, BLOCKS // 8, replace=False) for b in range(start * 8, start * 8 + 8)]
+    scattered = [int(b) for b in rng.choice(POOL, BLOCKS, replace=False)]
+    return {"contiguous": (contiguous, list(range(2000, 2000 + BLOCKS))),
+            "runs of 8 blocks": (runs_of_8, [b + 1 for b in runs_of_8]),
+            "scattered": (scattered, [int(b) for b in rng.choice(POOL, BLOCKS, replace=False)])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    p_regions = rank_regions(QWEN3_32B, POOL, 0, TP)
+    d_ranks = tuple(RankRegions(r, f"d{r}", rank_regions(QWEN3_32B, POOL, r, TP, base_addr=1 << 40))
+                    for r in range(TP))
+    codec = WireCodec(b"benchmark-secret-0123456789abcdef")
+    print(f"Qwen3-32B, TP{TP}->TP{TP}, {TOKENS} tokens = {BLOCKS} blocks, "
+          f"{len(p_regions)} regions per rank, {args.requests} requests per row\n")
+    header = (f"{'block list':<18}{'unmerged':>10}{'merged':>9}{'ratio':>8}{'plan ms':>9}"
+              f"{'P core us':>11}{'D core us':>11}{'reg bytes':>11}")
+    print(header)
+    print("-" * len(header))
+    for name, (src, dst) in block_lists(rng).items():
+        producer = ProducerCore(p_regions, 0, TP)
+        consumer = ConsumerCore("127.0.0.1:1", 0, TP)
+        plan_ms, p_us, d_us = [], [], []
+        for i in range(args.requests):
+            tid = TransferId(f"r{i}")
+            reg = Registration(tid, "d", f"d{i}", "127.0.0.1:1", TP, d_ranks, tuple(dst), 0, 0.0)
+            t0 = time.perf_counter()
+            consumer.expect(tid, "127.0.0.1:2", TP, 0.0)
+            sent = next(a for a in consumer.allocated(reg, 0.0) if hasattr(a, "message"))
+            t1 = time.perf_counter()
+            producer.registration_received(sent.message, 0.0)
+            submit = next(a for a in producer.kv_ready(tid, tuple(src), 0.0) if hasattr(a, "plan"))
+            producer.write_done(tid, 0.0)
+            t2 = time.perf_counter()
+            consumer.verdict(WriteDone(tid, 0, TP), 0.0)
+            t3 = time.perf_counter()
+            plan_write(p_regions, 0, TP, sent.message, src)
+            t4 = time.perf_counter()
+            plan_ms.append((t4 - t3) * 1e3)
+            p_us.append((t2 - t1) * 1e6)
+            d_us.append(((t1 - t0) + (t3 - t2)) * 1e6)
+        plan = submit.plan
+        print(f"{name:<18}{plan.unmerged_count:>10,}{plan.descriptor_count:>9,}"
+              f"{plan.unmerged_count / plan.descriptor_count:>7.0f}x{statistics.median(plan_ms):>9.2f}"
+              f"{statistics.median(p_us):>11,.0f}{statistics.median(d_us):>11,.0f}"
+              f"{len(codec.encode(sent.message)):>11,}")
+    print("\nP core includes planning; D core is expect + allocated + one verdict. Medians.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""The one `neuron-disagg` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="neuron-disagg", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the push protocol end to end and print each request's timeline")
+    demo.add_argument("--in-process", action="store_true", default=True,
+                      help="one process, in-memory transport (the only demo until the vLLM connector lands)")
+    demo.add_argument("--prefill-ms", type=float, default=20.0, help="simulated prefill time per request")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo_core import run_demo
+        return run_demo(prefill_ms=args.prefill_ms)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
