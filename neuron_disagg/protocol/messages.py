@@ -122,6 +122,20 @@ class CancelAck(msgspec.Struct, frozen=True, tag="cancel_ack"):
     p_tp_size: int
 
 
-Message = Union[Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck]
+class AgentInfoRequest(msgspec.Struct, frozen=True, tag="agent_info_request"):
+    """Either side -> a peer rank's side channel: "send me your transfer agent's metadata"."""
+
+    requester: str
+
+
+class AgentInfo(msgspec.Struct, frozen=True, tag="agent_info"):
+    """The answer: what a peer needs to reach this rank's agent (NIXL agent metadata)."""
+
+    tp_rank: int
+    agent_name: str
+    metadata: bytes
+
+
+Message = Union[Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck, AgentInfoRequest, AgentInfo]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

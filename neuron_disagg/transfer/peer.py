@@ -1,0 +1,169 @@
+"""A stand-alone P or D rank with KV-shaped host memory, driven by JSON lines on stdin.
+
+``python -m neuron_disagg.transfer.peer --role prefill|decode`` builds block-major regions for a
+small model shape in one numpy buffer, registers them with a real transport, starts the side
+channel and the push writer (P) or receiver (D), then answers commands:
+
+  {"op": "fill", "blocks": [..], "seed": n}            P: write a known pattern into blocks
+  {"op": "digest", "blocks": [..]}                      sha256 of each block (all layers, K and V)
+  {"op": "kv_ready", "tid": [req, attempt], "blocks": [..]}          P
+  {"op": "expect", "tid": [..], "p_address": "h:p", "p_tp": 1}      D
+  {"op": "allocate", "tid": [..], "blocks": [..], "first": 0}       D
+  {"op": "abort", "tid": [..], "reason": ".."}
+  {"op": "stats"}
+
+Each reply is {"reply": <seq>, ...}; asynchronous events are {"event": "free"|"loaded"|"failed"}.
+It is what the integration tests and the transfer benchmark run as real processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+
+from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
+from ..protocol.geometry import ModelShape, rank_regions, regions_bytes
+from ..protocol.messages import (
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, RankRegions, Registration, TransferId,
+    WriteDone, WriteFailed,
+)
+from ..protocol.producer import ProducerCore, ProducerTimeouts
+from ..protocol.wire import WireCodec
+from .peers import Peers
+from .receiver import PushReceiver
+from .side_channel import SideChannelClient, SideChannelServer
+from .transport import InMemoryTransport, NixlTransport
+from .writer import PushWriter
+
+EVENTS = sys.stdout
+SHAPE = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+
+
+class Peer:
+    def __init__(self, args):
+        self.role = args.role
+        self.codec = WireCodec(os.environ["NEURON_DISAGG_SECRET"].encode())
+        self.buffer = np.zeros(regions_bytes(rank_regions(SHAPE, args.blocks)), dtype=np.uint8)
+        self.regions = rank_regions(SHAPE, args.blocks, base_addr=self.buffer.ctypes.data)
+        self.agent = f"{args.role}-{os.getpid()}-0"
+        self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
+                          else InMemoryTransport(self.agent))
+        self.transport.register(self.regions)
+        self.info = AgentInfo(0, self.agent, self.transport.metadata())
+        self._out = threading.Lock()
+        self.server = SideChannelServer("127.0.0.1", args.port, self.codec, self.on_message, args.role)
+        self.address = self.server.address
+        peers = Peers(self.transport, SideChannelClient(self.codec), self.address, args.role)
+        if self.role == "prefill":
+            t = ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60)
+            self.core = ProducerCore(self.regions, 0, 1, t)
+            self.thread = PushWriter(self.core, self.transport, self.codec, peers, self.freed)
+        else:
+            t = ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60)
+            self.core = ConsumerCore(self.address, 0, 1, t)
+            self.thread = PushReceiver(self.core, self.transport, self.codec, peers, self.loaded,
+                                       self.failed, self.freed)
+        self.thread.start()
+        self.server.start()
+
+    # -- events out -------------------------------------------------------------------------------------
+    def emit(self, obj) -> None:
+        with self._out:
+            EVENTS.write(json.dumps(obj) + "\n")
+            EVENTS.flush()
+
+    def freed(self, tid, blocks):
+        self.emit({"event": "free", "tid": [tid.request, tid.attempt], "blocks": list(blocks)})
+
+    def loaded(self, tid):
+        self.emit({"event": "loaded", "tid": [tid.request, tid.attempt]})
+
+    def failed(self, tid, reason):
+        self.emit({"event": "failed", "tid": [tid.request, tid.attempt], "reason": reason})
+
+    # -- messages in ------------------------------------------------------------------------------------
+    def on_message(self, message):
+        if isinstance(message, AgentInfoRequest):
+            return self.info
+        wanted = (Registration, Heartbeat, Cancel) if self.role == "prefill" else (WriteDone, WriteFailed, CancelAck)
+        if isinstance(message, wanted):
+            self.thread.deliver(message)
+        return None
+
+    # -- commands -----------------------------------------------------------------------------------------
+    def block_view(self, region, block):
+        start = region.base_addr - self.buffer.ctypes.data + block * region.block_stride_bytes
+        return self.buffer[start:start + region.block_bytes]
+
+    def command(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        tid = TransferId(*cmd["tid"]) if "tid" in cmd else None
+        if op == "fill":
+            for pos, block in enumerate(cmd["blocks"]):
+                rng = np.random.default_rng([cmd["seed"], pos])
+                for region in self.regions:
+                    self.block_view(region, block)[:] = rng.integers(0, 256, region.block_bytes, np.uint8)
+            return {}
+        if op == "digest":
+            return {"digest": [hashlib.sha256(b"".join(self.block_view(r, b).tobytes() for r in self.regions)).hexdigest()
+                               for b in cmd["blocks"]]}
+        if op == "kv_ready":
+            self.thread.kv_ready(tid, tuple(cmd["blocks"]))
+        elif op == "expect":
+            self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
+        elif op == "allocate":
+            self.thread.allocated(Registration(
+                tid, self.agent, f"d-{tid}", self.address, 1, (RankRegions(0, self.agent, self.regions),),
+                tuple(cmd["blocks"]), cmd.get("first", 0), 0.0))
+        elif op == "abort":
+            self.thread.abort(tid, cmd.get("reason", "aborted"))
+        elif op == "stats":
+            return {"counters": dict(self.core.counters), "rejected": dict(self.server.rejected),
+                    "live": len(self.core.live()),
+                    "writer": dict(getattr(self.thread, "stats", {})),
+                    "post_ms": [s * 1e3 for s in getattr(self.thread, "post_seconds", [])],
+                    "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}
+        elif op == "shutdown":
+            self.thread.shutdown()
+            self.server.close()
+            return {"stopped": True}
+        else:
+            return {"error": f"unknown op {op}"}
+        return {}
+
+
+def main() -> None:
+    global EVENTS
+    # Native libraries (UCX, NIXL) print to fd 1: keep the real stdout for our JSON lines only.
+    EVENTS = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--blocks", type=int, default=128)
+    parser.add_argument("--transport", choices=["nixl", "memory"], default="nixl")
+    parser.add_argument("--backend", default="UCX")
+    parser.add_argument("--lease-s", type=float, default=5.0)
+    parser.add_argument("--watchdog-s", type=float, default=3.0)
+    parser.add_argument("--admission-s", type=float, default=10.0)
+    parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    parser.add_argument("--max-write-s", type=float, default=2.0)
+    args = parser.parse_args()
+    peer = Peer(args)
+    peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        reply = peer.command(cmd)
+        peer.emit({"reply": cmd.get("seq"), **reply})
+        if cmd["op"] == "shutdown":
+            break
+
+
+if __name__ == "__main__":
+    main()

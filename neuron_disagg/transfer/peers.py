@@ -1,0 +1,69 @@
+"""Reaching peer ranks: agent handshakes on their own executor, and message sends that never block
+the thread that owns a transport. Shared by the push writer (P) and the push receiver (D)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from ..protocol.messages import AgentInfo, AgentInfoRequest, Message
+from .side_channel import SideChannelClient, rank_address
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    """Owns a small executor. ``on_result`` is called (on the executor) with each handshake's
+    outcome; the owner forwards it into its own inbox."""
+
+    def __init__(self, transport: Transport, client: SideChannelClient, my_address: str,
+                 name: str, workers: int = 4):
+        self.transport = transport
+        self.client = client
+        self.my_address = my_address
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"neuron-disagg-{name}-peers")
+        self._handshaking: set[str] = set()
+        self.send_failures = 0
+
+    def handshake(self, address: str, tp_rank: int, agent: str,
+                  on_result: Callable[[str, str | None], None]) -> None:
+        """Fetch and load the metadata of ``agent`` (rank ``tp_rank`` at ``address``) unless a
+        handshake with it is already running. ``on_result(agent, error or None)``."""
+        if agent in self._handshaking:
+            return
+        self._handshaking.add(agent)
+
+        def run() -> None:
+            error = None
+            try:
+                reply = self.client.request(rank_address(address, tp_rank), AgentInfoRequest(self.my_address))
+                if not isinstance(reply, AgentInfo) or reply.agent_name != agent:
+                    raise ValueError(f"{address} rank {tp_rank} answered as {getattr(reply, 'agent_name', reply)!r}")
+                self.transport.add_peer(reply.metadata)
+            except Exception as exc:  # any failure is the handshake's outcome, reported below
+                error = f"handshake with {agent} at {address} rank {tp_rank} failed: {exc}"
+            on_result(agent, error)
+
+        self._executor.submit(run)
+
+    def handshake_finished(self, agent: str) -> None:
+        """Called by the owner once it has processed the result, so a later handshake may run."""
+        self._handshaking.discard(agent)
+
+    def send(self, address: str, ranks: tuple[int, ...], message: Message) -> None:
+        for rank in ranks:
+            self._executor.submit(self._send_one, address, rank, message)
+
+    def _send_one(self, address: str, rank: int, message: Message) -> None:
+        try:
+            self.client.send(rank_address(address, rank), message)
+        except OSError as exc:  # the peer's leases and watchdogs cover a lost message
+            self.send_failures += 1
+            log.warning("could not send %s for %s to %s rank %d: %s", type(message).__name__,
+                        getattr(message, "transfer_id", "?"), address, rank, exc)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.client.close()

@@ -1,0 +1,270 @@
+"""The byte movers under the writer and reader threads, behind one interface.
+
+``NixlTransport`` drives a real NIXL agent (UCX on hosts without EFA, LIBFABRIC where EFA exists).
+``InMemoryTransport`` moves bytes between agents in one process with ``memmove`` and exists for
+fast tests of the threads. Both take descriptors as produced by ``protocol.plan`` (absolute
+addresses inside registered memory) and raise ``TransferFailed`` with a reason a person can act on.
+
+Threading: a transport is owned by one thread (the writer or reader); only ``add_peer`` /
+``remove_peer`` may run on another (the handshake executor), which is why NIXL agents are created
+with RW thread sync.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..protocol.messages import Region
+from ..protocol.plan import RankWrite
+
+
+class TransferFailed(Exception):
+    """A transfer could not be posted or did not complete; nothing of it is in flight any more."""
+
+
+@dataclass(frozen=True)
+class MemorySpan:
+    addr: int
+    length: int
+    device_id: int = 0
+
+
+def region_spans(regions: Sequence[Region]) -> list[MemorySpan]:
+    return [MemorySpan(r.base_addr, r.block_stride_bytes * r.num_blocks, r.device_id) for r in regions]
+
+
+def spans_cover(spans: Sequence[MemorySpan], addr: np.ndarray, length: np.ndarray) -> bool:
+    """True if every [addr, addr+length) lies inside one of ``spans``."""
+    if len(addr) == 0:
+        return True
+    starts = np.array([s.addr for s in spans], dtype=np.uint64)
+    ends = starts + np.array([s.length for s in spans], dtype=np.uint64)
+    order = np.argsort(starts)
+    idx = np.searchsorted(starts[order], addr, side="right") - 1
+    if (idx < 0).any():
+        return False
+    return bool(np.all(addr + length <= ends[order][idx]))
+
+
+class Transport(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[Region]) -> None:
+        """Make these local KV regions reachable by peers."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer passes to ``add_peer`` to reach this transport."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata (replacing any older copy); returns the peer's name."""
+
+    @abc.abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer, e.g. after it died: a restarted peer is re-added with fresh metadata."""
+
+    @abc.abstractmethod
+    def has_peer(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
+        """Start a WRITE (local src -> peer dst) or READ (peer src -> local dst); the peer gets
+        ``notification`` once the data has landed. Returns a handle for ``poll``."""
+
+    @abc.abstractmethod
+    def poll(self, handle: Any) -> bool:
+        """True once the transfer completed; raises TransferFailed if it failed."""
+
+    @abc.abstractmethod
+    def release(self, handle: Any) -> None:
+        """Drop the handle; an active transfer is cancelled."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (sender, payload)."""
+
+    def close(self) -> None:
+        pass
+
+
+# -- in memory ------------------------------------------------------------------------------------------
+class InMemoryTransport(Transport):
+    """Agents in one process; addresses are real process addresses (e.g. numpy buffers)."""
+
+    _agents: dict[str, "InMemoryTransport"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, name: str):
+        self.name = name
+        self.spans: list[MemorySpan] = []
+        self._peers: set[str] = set()
+        self._inbox: list[tuple[str, bytes]] = []
+        self._inbox_lock = threading.Lock()
+        self.fail_posts_to: set[str] = set()  # fault injection for tests
+        with self._lock:
+            self._agents[name] = self
+
+    def register(self, regions: Sequence[Region]) -> None:
+        self.spans.extend(region_spans(regions))
+
+    def metadata(self) -> bytes:
+        return self.name.encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = metadata.decode()
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        self._peers.discard(name)
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
+        with self._lock:
+            target = self._agents.get(peer)
+        if peer not in self._peers or target is None or peer in self.fail_posts_to:
+            raise TransferFailed(f"peer {peer} is not reachable")
+        local, remote = (write.src_addr, write.dst_addr) if op == "WRITE" else (write.dst_addr, write.src_addr)
+        if not spans_cover(self.spans, local, write.length) or not spans_cover(target.spans, remote, write.length):
+            raise TransferFailed("descriptor outside registered memory")
+        for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+            ctypes.memmove(d, s, n)
+        with target._inbox_lock:
+            target._inbox.append((self.name, notification))
+        return object()
+
+    def poll(self, handle: Any) -> bool:
+        return True
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        with self._inbox_lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._agents.pop(self.name, None)
+
+
+# -- NIXL -------------------------------------------------------------------------------------------------
+class NixlTransport(Transport):
+    """One NIXL agent. No progress thread of NIXL's own: the owning thread's ``poll`` and
+    ``notifications`` calls drive progress (NIXL's spinning progress thread costs a whole core)."""
+
+    def __init__(self, name: str, backend: str = "UCX", memory_type: str = "DRAM"):
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        self.name = name
+        self.backend = backend
+        self.memory_type = memory_type
+        self._agent = nixl_agent(name, config)
+        if backend not in self._agent.backends:
+            raise TransferFailed(f"NIXL backend {backend} did not load (loaded: {list(self._agent.backends)})")
+        self._registrations = []
+        self._peers: set[str] = set()
+
+    def register(self, regions: Sequence[Region]) -> None:
+        rows = np.array([[s.addr, s.length, s.device_id] for s in region_spans(regions)], dtype=np.uint64)
+        self._registrations.append(self._agent.register_memory(rows, self.memory_type))
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if name in self._peers:
+            self._peers.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # already gone on NIXL's side; nothing left to drop
+                pass
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def _descs(self, addr: np.ndarray, length: np.ndarray, dev: np.ndarray):
+        rows = np.stack([addr, length, dev.astype(np.uint64)], axis=1).astype(np.uint64)
+        descs = self._agent.get_xfer_descs(rows, self.memory_type)
+        if descs is None:
+            raise TransferFailed("NIXL refused the descriptor list")
+        return descs
+
+    def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
+        if op == "WRITE":
+            local = self._descs(write.src_addr, write.length, write.src_dev)
+            remote = self._descs(write.dst_addr, write.length, write.dst_dev)
+        else:
+            local = self._descs(write.dst_addr, write.length, write.dst_dev)
+            remote = self._descs(write.src_addr, write.length, write.src_dev)
+        try:
+            handle = self._agent.initialize_xfer(op, local, remote, peer, notification)
+        except Exception as exc:
+            raise TransferFailed(f"NIXL could not create the {op} to {peer}: {_nixl_reason(exc)}") from None
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._release_quietly(handle)
+            raise TransferFailed(f"NIXL could not post the {op} to {peer}: {_nixl_reason(exc)}") from None
+        if state == "ERR":
+            self._release_quietly(handle)
+            raise TransferFailed(f"NIXL failed to post the {op} to {peer}")
+        return handle
+
+    def poll(self, handle: Any) -> bool:
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            raise TransferFailed(f"transfer failed: {_nixl_reason(exc)}") from None
+        if state == "ERR":
+            raise TransferFailed("transfer failed (NIXL reported ERR)")
+        return state == "DONE"
+
+    def release(self, handle: Any) -> None:
+        self._release_quietly(handle)
+
+    def _release_quietly(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # a failed transfer's handle may already be unusable
+            pass
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return [(peer, msg) for peer, msgs in self._agent.get_new_notifs().items() for msg in msgs]
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.remove_peer(name)
+        for reg in self._registrations:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._registrations.clear()
+
+
+def _nixl_reason(exc: Exception) -> str:
+    """NIXL's exceptions carry only a status name; say which one in words."""
+    status = type(exc).__name__.removeprefix("nixl").removesuffix("Error")
+    hints = {"RemoteDisconnect": "the peer disconnected (process died or restarted)",
+             "NotFound": "the peer or memory is unknown to NIXL", "InvalidParam": "invalid descriptors"}
+    return hints.get(status, f"{status or type(exc).__name__}: {exc}")
