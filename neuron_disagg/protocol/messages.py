@@ -134,6 +134,9 @@ class AgentInfo(msgspec.Struct, frozen=True, tag="agent_info"):
     tp_rank: int
     agent_name: str
     metadata: bytes
+    # (address, length) of every memory span the agent registered: P checks each WRITE's
+    # destination against these before posting (invariant I6).
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 Message = Union[Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck, AgentInfoRequest, AgentInfo]

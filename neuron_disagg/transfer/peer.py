@@ -55,7 +55,9 @@ class Peer:
         self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
                           else InMemoryTransport(self.agent))
         self.transport.register(self.regions)
-        self.info = AgentInfo(0, self.agent, self.transport.metadata())
+        self.info = AgentInfo(0, self.agent, self.transport.metadata(),
+                              tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
+        self.outstanding: dict[TransferId, tuple[int, ...]] = {}  # blocks lent to a transfer
         self._out = threading.Lock()
         self.server = SideChannelServer("127.0.0.1", args.port, self.codec, self.on_message, args.role)
         self.address = self.server.address
@@ -79,9 +81,11 @@ class Peer:
             EVENTS.flush()
 
     def freed(self, tid, blocks):
+        self.outstanding.pop(tid, None)
         self.emit({"event": "free", "tid": [tid.request, tid.attempt], "blocks": list(blocks)})
 
     def loaded(self, tid):
+        self.outstanding.pop(tid, None)  # handed to decode: the engine owns them now
         self.emit({"event": "loaded", "tid": [tid.request, tid.attempt]})
 
     def failed(self, tid, reason):
@@ -113,6 +117,8 @@ class Peer:
         if op == "digest":
             return {"digest": [hashlib.sha256(b"".join(self.block_view(r, b).tobytes() for r in self.regions)).hexdigest()
                                for b in cmd["blocks"]]}
+        if op in ("kv_ready", "allocate"):
+            self.outstanding[tid] = tuple(cmd["blocks"])
         if op == "kv_ready":
             self.thread.kv_ready(tid, tuple(cmd["blocks"]))
         elif op == "expect":
@@ -126,6 +132,7 @@ class Peer:
         elif op == "stats":
             return {"counters": dict(self.core.counters), "rejected": dict(self.server.rejected),
                     "live": len(self.core.live()),
+                    "outstanding_blocks": sum(len(b) for b in self.outstanding.values()),
                     "writer": dict(getattr(self.thread, "stats", {})),
                     "post_ms": [s * 1e3 for s in getattr(self.thread, "post_seconds", [])],
                     "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}

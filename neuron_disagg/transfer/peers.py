@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..protocol.messages import AgentInfo, AgentInfoRequest, Message
 from .side_channel import SideChannelClient, rank_address
-from .transport import Transport
+from .transport import MemorySpan, Transport
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ class Peers:
         self.my_address = my_address
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"neuron-disagg-{name}-peers")
         self._handshaking: set[str] = set()
+        self.spans: dict[str, list[MemorySpan]] = {}  # what each peer agent told us it registered
         self.send_failures = 0
 
     def handshake(self, address: str, tp_rank: int, agent: str,
@@ -41,6 +42,7 @@ class Peers:
                 reply = self.client.request(rank_address(address, tp_rank), AgentInfoRequest(self.my_address))
                 if not isinstance(reply, AgentInfo) or reply.agent_name != agent:
                     raise ValueError(f"{address} rank {tp_rank} answered as {getattr(reply, 'agent_name', reply)!r}")
+                self.spans[agent] = [MemorySpan(a, n) for a, n in reply.spans]
                 self.transport.add_peer(reply.metadata)
             except Exception as exc:  # any failure is the handshake's outcome, reported below
                 error = f"handshake with {agent} at {address} rank {tp_rank} failed: {exc}"

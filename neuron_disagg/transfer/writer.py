@@ -28,7 +28,7 @@ from ..protocol.plan import RankWrite
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from .peers import Peers
-from .transport import TransferFailed, Transport
+from .transport import TransferFailed, Transport, spans_cover
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -163,6 +163,11 @@ class PushWriter:
         self.post_seconds.append(time.perf_counter() - write.posted_at)
 
     def _post(self, write: _Write, rank_write: RankWrite) -> None:
+        spans = self.peers.spans.get(rank_write.d_agent)
+        if spans is not None and not spans_cover(spans, rank_write.dst_addr, rank_write.length):
+            self.stats["registration_rejected"] += 1
+            return self._failed(write.submit.transfer_id, "registration rejected: destination lies "
+                                f"outside the memory {rank_write.d_agent} registered")
         try:
             write.handles.append(self.transport.post("WRITE", rank_write.d_agent, rank_write, write.frame))
             self.stats["descriptors"] += len(rank_write)

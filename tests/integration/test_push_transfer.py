@@ -68,3 +68,26 @@ def test_many_requests_in_flight(pair):
         p.call("kv_ready", tid=tid, blocks=[64 + i])
     for i, tid in enumerate(tids):
         _assert_delivered(p, d, tid, [64 + i], [100 + i])
+
+
+def test_decode_cancels_before_the_write_blocks_come_back_only_after_the_ack(pair):
+    p, d = pair
+    tid = ["cancelled", 0]
+    d.call("fill", blocks=[70, 71], seed=5)
+    before = d.call("digest", blocks=[70, 71])["digest"]
+    d.call("expect", tid=tid, p_address=p.address)
+    d.call("allocate", tid=tid, blocks=[70, 71])
+    d.call("abort", tid=tid, reason="client disconnected")
+    freed = d.event_for("free", tid, timeout=5)  # CancelAck, well before the 5.2 s fence
+    assert sorted(freed["blocks"]) == [70, 71]
+    p.call("fill", blocks=[72, 73], seed=6)
+    p.call("kv_ready", tid=tid, blocks=[72, 73])
+    assert sorted(p.event_for("free", tid)["blocks"]) == [72, 73]  # P writes nothing
+    assert d.call("digest", blocks=[70, 71])["digest"] == before
+
+
+def test_blocks_are_back_after_every_transfer(pair):
+    p, d = pair
+    for peer in pair:
+        stats = peer.call("stats")
+        assert stats["outstanding_blocks"] == 0 and stats["live"] == 0, stats

@@ -1,0 +1,114 @@
+"""Faults between real P and D processes: kill -9, forged and out-of-bounds registrations, a
+restarted D. Each test starts the processes it kills."""
+
+import time
+
+import pytest
+
+from neuron_disagg.protocol import RankRegions, Registration, TransferId, WireCodec
+from neuron_disagg.protocol.geometry import rank_regions
+from neuron_disagg.transfer.peer import SHAPE
+from neuron_disagg.transfer.side_channel import SideChannelClient, rank_address
+
+from .peers import SECRET, PeerProcess
+
+pytestmark = pytest.mark.integration
+WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
+
+
+@pytest.fixture
+def procs():
+    pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
+    started = []
+
+    def start(role, *args):
+        started.append(PeerProcess(role, *args))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
+def _decode(procs, *extra):
+    return procs("decode", "--watchdog-s", str(WATCHDOG_S), "--max-write-s", str(MAX_WRITE_S), *extra)
+
+
+def _deliver(p, d, tid, p_blocks, d_blocks, seed):
+    p.call("fill", blocks=p_blocks, seed=seed)
+    d.call("expect", tid=tid, p_address=p.address)
+    d.call("allocate", tid=tid, blocks=d_blocks)
+    p.call("kv_ready", tid=tid, blocks=p_blocks)
+    d.event_for("loaded", tid)
+    assert d.call("digest", blocks=d_blocks)["digest"] == p.call("digest", blocks=p_blocks)["digest"]
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_decode_killed_prefill_fails_frees_and_serves_a_restarted_decode(procs):
+    p = procs("prefill", "--lease-s", "30")
+    d = _decode(procs)
+    _deliver(p, d, ["warm", 0], [1, 2], [3, 4], seed=1)  # P now holds D's agent
+    tid = ["doomed", 0]
+    d.call("expect", tid=tid, p_address=p.address)
+    d.call("allocate", tid=tid, blocks=[5, 6, 7])
+    _wait(lambda: p.call("stats")["live"] == 1)  # P has the registration
+    port = d.address.rsplit(":", 1)[1]
+    d.kill()
+    p.call("fill", blocks=[8, 9, 10], seed=2)
+    p.call("kv_ready", tid=tid, blocks=[8, 9, 10])
+    freed = p.event_for("free", tid, timeout=10)  # long before the 30 s lease
+    assert sorted(freed["blocks"]) == [8, 9, 10]
+    assert p.call("stats")["writer"].get("write_failed", 0) == 1
+    # D comes back on the same port with a new agent; P recovers without a restart.
+    d2 = _decode(procs, "--port", port)
+    assert d2.agent != d.agent
+    _deliver(p, d2, ["after-restart", 0], [11, 12], [13, 14], seed=3)
+    assert p.call("stats")["outstanding_blocks"] == 0
+
+
+def test_prefill_killed_decode_watchdog_fails_and_frees_within_bound(procs):
+    p = procs("prefill")
+    d = _decode(procs)
+    tid = ["orphan", 0]
+    d.call("expect", tid=tid, p_address=p.address)
+    started = time.monotonic()
+    d.call("allocate", tid=tid, blocks=[20, 21])
+    _wait(lambda: p.call("stats")["live"] == 1)
+    p.kill()
+    failed = d.event_for("failed", tid, timeout=15)
+    freed = d.event_for("free", tid, timeout=15)
+    elapsed = time.monotonic() - started
+    assert "watchdog_s" in failed["reason"]
+    assert sorted(freed["blocks"]) == [20, 21]
+    bound = WATCHDOG_S + MAX_WRITE_S + SKEW_S
+    assert elapsed < bound + 3.0, f"D took {elapsed:.1f} s, bound {bound} s"
+    assert d.call("stats")["outstanding_blocks"] == 0
+
+
+def test_forged_and_out_of_bounds_registrations_are_rejected_before_any_write(procs):
+    p = procs("prefill")
+    d = _decode(procs)
+    regions = rank_regions(SHAPE, 128, base_addr=1 << 44)  # nowhere near D's real memory
+    forged = Registration(TransferId("forged"), d.agent, "x", d.address, 1,
+                          (RankRegions(0, d.agent, regions),), (1, 2), 0, time.time() + 30)
+    SideChannelClient(WireCodec(b"not-the-deployment-secret-at-all")).send(rank_address(p.address, 0), forged)
+    _wait(lambda: p.call("stats")["rejected"].get("bad_signature", 0) == 1)
+    assert p.call("stats")["live"] == 0
+
+    # Correctly signed, but pointing outside what D registered: refused before posting.
+    oob = Registration(TransferId("oob"), d.agent, "x", d.address, 1,
+                       (RankRegions(0, d.agent, regions),), (1, 2), 0, time.time() + 30)
+    SideChannelClient(WireCodec(SECRET.encode())).send(rank_address(p.address, 0), oob)
+    _wait(lambda: p.call("stats")["live"] == 1)
+    p.call("fill", blocks=[30, 31], seed=4)
+    p.call("kv_ready", tid=["oob", 0], blocks=[30, 31])
+    assert sorted(p.event_for("free", ["oob", 0])["blocks"]) == [30, 31]
+    stats = p.call("stats")
+    assert stats["writer"].get("registration_rejected") == 1
+    assert stats["writer"].get("bytes", 0) == 0
