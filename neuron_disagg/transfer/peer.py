@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ import threading
 
 import numpy as np
 
+from ..config import Config
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.geometry import ModelShape, rank_regions, regions_bytes
 from ..protocol.messages import (
@@ -42,16 +44,18 @@ from .transport import InMemoryTransport, NixlTransport
 from .writer import PushWriter
 
 EVENTS = sys.stdout
+_instances = itertools.count()
 SHAPE = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
 
 
 class Peer:
-    def __init__(self, args):
+    def __init__(self, args, emit=None):
         self.role = args.role
-        self.codec = WireCodec(os.environ["NEURON_DISAGG_SECRET"].encode())
+        self._emit = emit
+        self.codec = WireCodec(Config().load_secret())
         self.buffer = np.zeros(regions_bytes(rank_regions(SHAPE, args.blocks)), dtype=np.uint8)
         self.regions = rank_regions(SHAPE, args.blocks, base_addr=self.buffer.ctypes.data)
-        self.agent = f"{args.role}-{os.getpid()}-0"
+        self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
                           else InMemoryTransport(self.agent))
         self.transport.register(self.regions)
@@ -76,6 +80,8 @@ class Peer:
 
     # -- events out -------------------------------------------------------------------------------------
     def emit(self, obj) -> None:
+        if self._emit is not None:
+            return self._emit(obj)
         with self._out:
             EVENTS.write(json.dumps(obj) + "\n")
             EVENTS.flush()
@@ -145,11 +151,7 @@ class Peer:
         return {}
 
 
-def main() -> None:
-    global EVENTS
-    # Native libraries (UCX, NIXL) print to fd 1: keep the real stdout for our JSON lines only.
-    EVENTS = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["prefill", "decode"], required=True)
     parser.add_argument("--port", type=int, default=0)
@@ -161,7 +163,15 @@ def main() -> None:
     parser.add_argument("--admission-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--max-write-s", type=float, default=2.0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    global EVENTS
+    # Native libraries (UCX, NIXL) print to fd 1: keep the real stdout for our JSON lines only.
+    EVENTS = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    args = parser().parse_args()
     peer = Peer(args)
     peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid()})
     for line in sys.stdin:

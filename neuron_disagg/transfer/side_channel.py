@@ -110,6 +110,10 @@ class SideChannelServer:
 
     def close(self) -> None:
         self._closing.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             for conn in self._conns:

@@ -82,8 +82,9 @@ class PushWriter:
         self.peers.shutdown()
         if self._thread.is_alive():
             raise TimeoutError(f"{self._thread.name} did not stop within {timeout_s} s")
-        if self._error is not None:
-            raise RuntimeError(f"{self._thread.name} failed") from self._error
+        error, self._error = self._error, None  # report it once
+        if error is not None:
+            raise RuntimeError(f"{self._thread.name} failed") from error
 
     # -- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:

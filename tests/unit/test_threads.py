@@ -1,0 +1,133 @@
+"""The push writer and receiver threads over the in-memory transport and real loopback side
+channels: their lifecycle, isolation from slow peers, and error propagation."""
+
+import threading
+import time
+
+import pytest
+
+from neuron_disagg.protocol import AgentInfoRequest, TransferId, WireCodec, WriteDone
+from neuron_disagg.transfer.peer import Peer, parser
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch):
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", "thread-test-secret-0123456789abcdef")
+
+
+class Rank:
+    """An in-process peer whose events land in a list."""
+
+    def __init__(self, role, *args):
+        self.events, self.cond = [], threading.Condition()
+        self.peer = Peer(parser().parse_args(["--role", role, "--transport", "memory", *args]), self.emit)
+
+    def emit(self, obj):
+        with self.cond:
+            self.events.append(obj)
+            self.cond.notify_all()
+
+    def wait(self, kind, tid, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if e["event"] == kind and e["tid"] == list(tid):
+                        return e
+                assert time.monotonic() < deadline, f"no {kind} for {tid}: {self.events}"
+                self.cond.wait(0.05)
+
+    def __getattr__(self, op):
+        return lambda **kw: self.peer.command({"op": op, **kw})
+
+    def close(self):
+        try:
+            self.peer.thread.shutdown()
+        finally:
+            self.peer.server.close()
+
+
+@pytest.fixture
+def ranks():
+    made = []
+
+    def make(role, *args):
+        made.append(Rank(role, *args))
+        return made[-1]
+
+    yield make
+    for rank in made:
+        rank.close()
+
+
+def _register(d, p, tid, blocks):
+    d.expect(tid=list(tid), p_address=p.peer.address)
+    d.allocate(tid=list(tid), blocks=blocks)
+
+
+def test_a_slow_handshake_does_not_delay_writes_to_other_peers(ranks):
+    p = ranks("prefill")
+    slow, fast = ranks("decode"), ranks("decode")
+    release = threading.Event()
+    original = slow.peer.server.on_message
+
+    def stalls_handshakes(message):
+        if isinstance(message, AgentInfoRequest):
+            release.wait(10)
+        return original(message)
+
+    slow.peer.server.on_message = stalls_handshakes
+    _register(slow, p, ("to-slow", 0), [1, 2])
+    _register(fast, p, ("to-fast", 0), [1, 2])
+    time.sleep(0.2)  # both registrations reach P
+    p.kv_ready(tid=["to-slow", 0], blocks=[1, 2])
+    p.kv_ready(tid=["to-fast", 0], blocks=[3, 4])
+    started = time.monotonic()
+    fast.wait("loaded", ("to-fast", 0), timeout=2.0)
+    assert time.monotonic() - started < 2.0
+    assert not any(e["event"] == "loaded" for e in slow.events)
+    release.set()
+    slow.wait("loaded", ("to-slow", 0))
+
+
+def test_shutdown_fails_held_transfers_frees_their_blocks_and_joins(ranks):
+    p = ranks("prefill", "--lease-s", "60")
+    p.kv_ready(tid=["held", 0], blocks=[5, 6])
+    time.sleep(0.1)
+    started = time.monotonic()
+    p.peer.thread.shutdown(timeout_s=2)
+    assert time.monotonic() - started < 2
+    assert p.wait("free", ("held", 0))["blocks"] == [5, 6]
+    assert not p.peer.thread._thread.is_alive()
+
+
+def test_an_error_in_the_thread_is_re_raised_by_shutdown(ranks):
+    p = ranks("prefill", "--lease-s", "0.2")
+
+    def broken(tid, blocks):
+        raise ValueError("engine callback exploded")
+
+    p.peer.thread.on_free = broken
+    p.kv_ready(tid=["boom", 0], blocks=[7])
+    time.sleep(0.5)  # the lease lapses and the free callback raises on the writer thread
+    with pytest.raises(RuntimeError, match="push-writer-0 failed") as err:
+        p.peer.thread.shutdown()
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_receiver_rejects_forged_notifications_and_counts_them(ranks):
+    p, d = ranks("prefill"), ranks("decode")
+    _register(d, p, ("victim", 0), [9])
+    forged = WireCodec(b"forger-secret-0123456789abcdef!!").encode(WriteDone(TransferId("victim"), 0, 1))
+    d.peer.transport._inbox.append((p.peer.agent, forged))
+    deadline = time.monotonic() + 2
+    while not d.peer.thread.rejected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert d.peer.thread.rejected["bad_signature"] == 1
+    assert not any(e["event"] == "loaded" for e in d.events)
+
+
+def test_threads_are_named_per_rank(ranks):
+    p, d = ranks("prefill"), ranks("decode")
+    names = {t.name for t in threading.enumerate()}
+    assert "neuron-disagg-push-writer-0" in names and "neuron-disagg-push-receiver-0" in names
