@@ -11,8 +11,6 @@ loaded / failed / freed reports to the engine — and ticks the core so watchdog
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import Counter
 from typing import Callable
@@ -24,31 +22,22 @@ from ..protocol.messages import CancelAck, Registration, TransferId, WriteDone, 
 from ..protocol.wire import WireCodec
 from .peers import Peers
 from .transport import Transport
+from .worker import TransferThread
 
 log = logging.getLogger(__name__)
-_STOP = object()
 
 
-class PushReceiver:
+class PushReceiver(TransferThread):
     def __init__(self, core: ConsumerCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_loaded: Callable[[TransferId], None],
                  on_failed: Callable[[TransferId, str], None],
-                 on_free: Callable[[TransferId, tuple[int, ...]], None],
-                 tick_interval_s: float = 0.05, poll_interval_s: float = 0.0005):
-        self.core, self.transport, self.codec, self.peers = core, transport, codec, peers
+                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+        super().__init__(f"neuron-disagg-push-receiver-{core.tp_rank}", peers, **intervals)
+        self.core, self.transport, self.codec = core, transport, codec
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
-        self.tick_interval_s, self.poll_interval_s = tick_interval_s, poll_interval_s
         self.rejected: Counter[str] = Counter()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"neuron-disagg-push-receiver-{core.tp_rank}")
 
     # -- called from other threads: queue puts only --------------------------------------------------
-    def start(self) -> "PushReceiver":
-        self._thread.start()
-        return self
-
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
         self._inbox.put(("expect", transfer_id, p_side_channel, p_tp_size))
 
@@ -61,43 +50,19 @@ class PushReceiver:
     def deliver(self, message: WriteDone | WriteFailed | CancelAck) -> None:
         self._inbox.put(("verdict", message))
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._inbox.put(_STOP)
-        self._thread.join(timeout_s)
-        self.peers.shutdown()
-        if self._thread.is_alive():
-            raise TimeoutError(f"{self._thread.name} did not stop within {timeout_s} s")
-        error, self._error = self._error, None  # report it once
-        if error is not None:
-            raise RuntimeError(f"{self._thread.name} failed") from error
-
     # -- the thread -------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            next_tick = 0.0
-            while True:
-                wait = self.poll_interval_s if self.core.live() else self.tick_interval_s
-                try:
-                    item = self._inbox.get(timeout=wait)
-                    while True:
-                        if item is _STOP:
-                            return self._abort_all("decode receiver shut down")
-                        self._handle(item)
-                        item = self._inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                for sender, frame in self.transport.notifications():
-                    self._notification(sender, frame)
-                now = time.time()
-                if now >= next_tick:
-                    self._perform(self.core.tick(now))
-                    next_tick = now + self.tick_interval_s
-        except BaseException as exc:
-            self._error = exc
-            log.exception("%s died", self._thread.name)
+    def _busy(self) -> bool:
+        return bool(self.core.live())
 
-    def _handle(self, item: tuple) -> None:
-        kind, now = item[0], time.time()
+    def _poll(self) -> None:
+        for sender, frame in self.transport.notifications():
+            self._notification(sender, frame)
+
+    def _tick(self, now: float) -> None:
+        self._perform(self.core.tick(now))
+
+    def _handle(self, item: tuple, now: float) -> None:
+        kind = item[0]
         if kind == "expect":
             self._perform(self.core.expect(item[1], item[2], item[3], now))
         elif kind == "allocated":
@@ -131,10 +96,12 @@ class PushReceiver:
             elif isinstance(action, FreeBlocks):
                 self.on_free(action.transfer_id, action.block_ids)
             elif isinstance(action, Transitioned):
-                log.debug("transfer %s %s -> %s on %s", action.transfer_id, action.before,
-                          action.after, action.event)
+                self._log_transition(action)
             else:
                 raise TypeError(f"unexpected action {action!r}")
+
+    def _on_stop(self) -> None:
+        self._abort_all("decode receiver shut down")
 
     def _abort_all(self, reason: str) -> None:
         now = time.time()

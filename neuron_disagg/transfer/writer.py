@@ -1,20 +1,17 @@
 """The push writer: one thread per prefill tensor-parallel worker, named
 ``neuron-disagg-push-writer-<rank>``.
 
-Its whole life: the engine and the side channel put events in its inbox (queue puts, nothing
-more); the thread feeds them to the producer core, performs the actions the core returns — post
-WRITEs, notify D, free blocks — polls in-flight WRITEs, and ticks the core so leases and write
-deadlines fire. Handshakes with new D agents run on a separate executor, so a slow or dead D never
-delays writes to other peers. ``shutdown`` fails every in-flight transfer with a reason, frees its
-blocks, and joins within a bound. An unexpected error in the thread is kept and re-raised by
-``shutdown`` rather than lost.
+The engine and the side channel put events in its inbox (queue puts, nothing more); the thread
+(its loop is ``worker.TransferThread``) feeds them to the producer core, performs the actions the
+core returns — post WRITEs, notify D, free blocks — polls in-flight WRITEs, and ticks the core so
+leases and write deadlines fire. Handshakes with new D agents run on a separate executor, so a slow
+or dead D never delays writes to other peers. On shutdown every in-flight transfer fails with a
+reason and its blocks are freed.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,9 +26,9 @@ from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from .peers import Peers
 from .transport import TransferFailed, Transport, spans_cover
+from .worker import TransferThread
 
 log = logging.getLogger(__name__)
-_STOP = object()
 
 
 @dataclass
@@ -45,26 +42,17 @@ class _Write:
     posted_at: float = 0.0
 
 
-class PushWriter:
+class PushWriter(TransferThread):
     def __init__(self, core: ProducerCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_free: Callable[[TransferId, tuple[int, ...]], None],
-                 tick_interval_s: float = 0.05, poll_interval_s: float = 0.0005):
-        self.core, self.transport, self.codec, self.peers = core, transport, codec, peers
+                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+        super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
+        self.core, self.transport, self.codec = core, transport, codec
         self.on_free = on_free
-        self.tick_interval_s, self.poll_interval_s = tick_interval_s, poll_interval_s
         self.stats: Counter[str] = Counter()
         self.post_seconds: list[float] = []
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: dict[TransferId, _Write] = {}
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"neuron-disagg-push-writer-{core.tp_rank}")
 
     # -- called from other threads: queue puts only ------------------------------------------------
-    def start(self) -> "PushWriter":
-        self._thread.start()
-        return self
-
     def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
         """Engine: prefill of this request finished; its blocks are ours until ``on_free``."""
         self._inbox.put(("kv_ready", transfer_id, tuple(block_ids)))
@@ -76,42 +64,21 @@ class PushWriter:
         """Side channel: a verified message from D."""
         self._inbox.put(("message", message))
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._inbox.put(_STOP)
-        self._thread.join(timeout_s)
-        self.peers.shutdown()
-        if self._thread.is_alive():
-            raise TimeoutError(f"{self._thread.name} did not stop within {timeout_s} s")
-        error, self._error = self._error, None  # report it once
-        if error is not None:
-            raise RuntimeError(f"{self._thread.name} failed") from error
-
     # -- the thread ------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            next_tick = 0.0
-            while True:
-                wait = self.poll_interval_s if self._writes else self.tick_interval_s
-                try:
-                    item = self._inbox.get(timeout=wait)
-                    while True:
-                        if item is _STOP:
-                            return self._fail_all("prefill writer shut down")
-                        self._handle(item)
-                        item = self._inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                self._poll_writes()
-                now = time.time()
-                if now >= next_tick:
-                    self._perform(self.core.tick(now))
-                    next_tick = now + self.tick_interval_s
-        except BaseException as exc:  # keep it for shutdown(); the engine must learn of it
-            self._error = exc
-            log.exception("%s died", self._thread.name)
+    def _busy(self) -> bool:
+        return bool(self._writes)
 
-    def _handle(self, item: tuple) -> None:
-        kind, now = item[0], time.time()
+    def _tick(self, now: float) -> None:
+        self._perform(self.core.tick(now))
+
+    def _poll(self) -> None:
+        self._poll_writes()
+
+    def _on_stop(self) -> None:
+        self._fail_all("prefill writer shut down")
+
+    def _handle(self, item: tuple, now: float) -> None:
+        kind = item[0]
         if kind == "kv_ready":
             self._perform(self.core.kv_ready(item[1], item[2], now))
         elif kind == "abort":
@@ -139,8 +106,7 @@ class PushWriter:
                 self.stats["failed"] += 1
                 log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
             elif isinstance(action, Transitioned):
-                log.debug("transfer %s %s -> %s on %s", action.transfer_id, action.before,
-                          action.after, action.event)
+                self._log_transition(action)
             elif not isinstance(action, FinishLoad):
                 raise TypeError(f"unexpected action {action!r}")
 
