@@ -139,6 +139,38 @@ class AgentInfo(msgspec.Struct, frozen=True, tag="agent_info"):
     spans: tuple[tuple[int, int], ...] = ()
 
 
-Message = Union[Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck, AgentInfoRequest, AgentInfo]
+class PullOffer(msgspec.Struct, frozen=True, tag="pull_offer"):
+    """Pull mode, P -> D through the router: "my KV for this request is in these blocks until
+    ``expires_at``; read it". P holds the blocks until every reading D rank confirms or the lease
+    ``expires_at + max_write_s + clock_skew_allowance_s`` ends (D starts no READ after
+    ``expires_at`` and abandons a READ after ``max_write_s``)."""
+
+    transfer_id: TransferId
+    p_engine_id: str
+    p_side_channel: str
+    p_tp_size: int
+    ranks: tuple[RankRegions, ...]  # P's regions and agent per P rank
+    block_ids: tuple[int, ...]      # the prompt's blocks on P, in order
+    expires_at: float
+
+
+class ReadDone(msgspec.Struct, frozen=True, tag="read_done"):
+    """Pull mode, D -> P: rides on D rank ``d_rank``'s READ; P may free once every reader is done."""
+
+    transfer_id: TransferId
+    d_rank: int
+    d_tp_size: int
+
+
+class ReadFailed(msgspec.Struct, frozen=True, tag="read_failed"):
+    """Pull mode, D -> P: D rank ``d_rank`` will read nothing (more); none of its READs is in flight."""
+
+    transfer_id: TransferId
+    d_rank: int
+    d_tp_size: int
+    reason: str
+
+
+Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck, AgentInfoRequest, AgentInfo]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

@@ -140,7 +140,7 @@ class Peer:
                     "live": len(self.core.live()),
                     "outstanding_blocks": sum(len(b) for b in self.outstanding.values()),
                     "writer": dict(getattr(self.thread, "stats", {})),
-                    "post_ms": [s * 1e3 for s in getattr(self.thread, "post_seconds", [])],
+                    "post_ms": [s * 1e3 for s in getattr(getattr(self.thread, "writes", None), "post_seconds", [])],
                     "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}
         elif op == "shutdown":
             self.thread.shutdown()

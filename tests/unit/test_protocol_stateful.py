@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from neuron_disagg.protocol import (
     AbortWrite, Cancel, ConsumerCore, ConsumerTimeouts, DState, FailTransfer, FinishLoad, FreeBlocks,
-    Heartbeat, MessageError, ProducerCore, ProducerTimeouts, PState, RankRegions, Registration,
+    Heartbeat, MessageError, ProducerCore, ProducerTimeouts, RankRegions, Registration,
     SendMessage, SubmitWrite, TransferId, Transitioned, WireCodec, WriteDone, WriteFailed,
 )
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions, regions_bytes
