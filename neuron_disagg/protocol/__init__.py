@@ -13,7 +13,7 @@ from .errors import (
     UnknownVersion,
 )
 from .messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, Message, RankRegions, Region, Registration, TransferId,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, ReadDone, ReadFailed, Message, RankRegions, Region, Registration, TransferId,
     WriteDone, WriteFailed,
 )
 from .plan import WritePlan, peer_ranks, plan_write

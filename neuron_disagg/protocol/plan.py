@@ -33,10 +33,12 @@ def peer_ranks(my_rank: int, my_tp: int, peer_tp: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RankWrite:
-    """All descriptors from one P rank into one D rank, merged. Arrays share one length."""
+    """All descriptors from one P rank into one D rank, merged. Arrays share one length.
+    ``remote_agent`` is the agent on the far side of the transfer: D's for a push WRITE, P's for a
+    pull READ."""
 
     d_rank: int
-    d_agent: str
+    remote_agent: str
     src_addr: np.ndarray
     dst_addr: np.ndarray
     length: np.ndarray

@@ -11,7 +11,7 @@ Both sides' transitions are in the two tables below.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -280,8 +280,11 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         for p_rank in peer_ranks(self.tp_rank, self.tp_size, offer.p_tp_size):
             if p_rank not in p_ranks:
                 raise PlanError(f"the offer lacks prefill rank {p_rank} of {offer.p_tp_size}")
-            write = plan_rank_write(p_ranks[p_rank].regions, local, src, dst) if len(dst) else None
-            plans[p_rank] = WritePlan((write,) if write is not None else ())
+            if len(dst):
+                write = plan_rank_write(p_ranks[p_rank].regions, local, src, dst)
+                plans[p_rank] = WritePlan((replace(write, remote_agent=p_ranks[p_rank].agent_name),))
+            else:
+                plans[p_rank] = WritePlan(())
         return plans
 
     def _run_effect(self, entry: Read, effect: REffect, step: Step) -> None:

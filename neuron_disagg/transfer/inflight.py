@@ -52,22 +52,22 @@ class InFlight:
 
     def _remote(self, op: str, part: Part):
         p = part.plan
-        return (p.d_agent, p.dst_addr) if op == "WRITE" else (p.d_agent, p.src_addr)
+        return (p.remote_agent, p.dst_addr) if op == "WRITE" else (p.remote_agent, p.src_addr)
 
     def submit(self, tid: TransferId, op: str, parts: list[Part], frame: bytes) -> str | None:
         """Post every part (or park it until its peer is known). Returns a failure reason, or None."""
         batch = _Batch(op, frame)
         self._batches[tid] = batch
         for part in parts:
-            batch.agents.add(part.plan.d_agent)
-            if self.transport.has_peer(part.plan.d_agent):
+            batch.agents.add(part.plan.remote_agent)
+            if self.transport.has_peer(part.plan.remote_agent):
                 error = self._post(batch, part)
                 if error:
                     self.release(tid)
                     return error
             else:
                 batch.parked.append(part)
-                self.peers.handshake(part.peer_address, part.peer_rank, part.plan.d_agent, self.on_peer_ready)
+                self.peers.handshake(part.peer_address, part.peer_rank, part.plan.remote_agent, self.on_peer_ready)
         self.post_seconds.append(time.perf_counter() - batch.started)
         return None
 
@@ -91,7 +91,7 @@ class InFlight:
         self.peers.handshake_finished(agent)
         failed = []
         for tid, batch in list(self._batches.items()):
-            waiting = [p for p in batch.parked if p.plan.d_agent == agent]
+            waiting = [p for p in batch.parked if p.plan.remote_agent == agent]
             for part in waiting:
                 batch.parked.remove(part)
                 problem = error or self._post(batch, part)

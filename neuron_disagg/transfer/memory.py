@@ -23,7 +23,7 @@ class MemoryFabric:
         src = memoryview(self.memory[src_agent])
         moved = 0
         for write in plan.writes:
-            dst = memoryview(self.memory[write.d_agent])
+            dst = memoryview(self.memory[write.remote_agent])
             for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
                 if s + n > len(src) or d + n > len(dst):
                     raise ValueError(f"descriptor {s:#x}->{d:#x} ({n} bytes) leaves registered memory")

@@ -9,6 +9,8 @@ channel and the push writer (P) or receiver (D), then answers commands:
   {"op": "kv_ready", "tid": [req, attempt], "blocks": [..]}          P
   {"op": "expect", "tid": [..], "p_address": "h:p", "p_tp": 1}      D
   {"op": "allocate", "tid": [..], "blocks": [..], "first": 0}       D
+  {"op": "lend", "tid": [..], "blocks": [..]}            pull, P: returns {"offer": base64}
+  {"op": "offered", "tid": [..], "offer": ".."}          pull, D (then "allocate")
   {"op": "abort", "tid": [..], "reason": ".."}
   {"op": "stats"}
 
@@ -19,12 +21,14 @@ It is what the integration tests and the transfer benchmark run as real processe
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import itertools
 import json
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -32,12 +36,14 @@ from ..config import Config
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.geometry import ModelShape, rank_regions, regions_bytes
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, RankRegions, Registration, TransferId,
-    WriteDone, WriteFailed,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
+    Registration, TransferId, WriteDone, WriteFailed,
 )
+from ..protocol.pull import LenderCore, ReaderCore
 from ..protocol.producer import ProducerCore, ProducerTimeouts
 from ..protocol.wire import WireCodec
 from .peers import Peers
+from .pull import PullLender, PullReader
 from .receiver import PushReceiver
 from .side_channel import SideChannelClient, SideChannelServer
 from .transport import InMemoryTransport, NixlTransport
@@ -66,7 +72,15 @@ class Peer:
         self.server = SideChannelServer("127.0.0.1", args.port, self.codec, self.on_message, args.role)
         self.address = self.server.address
         peers = Peers(self.transport, SideChannelClient(self.codec), self.address, args.role)
-        if self.role == "prefill":
+        self.mode, self.lease_s = args.mode, args.lease_s
+        if self.role == "prefill" and self.mode == "pull":
+            self.core = LenderCore(0, 1, args.max_write_s, 0.2)
+            self.thread = PullLender(self.core, self.transport, self.codec, peers, self.freed)
+        elif self.role == "decode" and self.mode == "pull":
+            self.core = ReaderCore(0, 1, args.max_write_s)
+            self.thread = PullReader(self.core, self.transport, self.codec, peers, self.loaded,
+                                     self.failed, self.freed)
+        elif self.role == "prefill":
             t = ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60)
             self.core = ProducerCore(self.regions, 0, 1, t)
             self.thread = PushWriter(self.core, self.transport, self.codec, peers, self.freed)
@@ -101,7 +115,8 @@ class Peer:
     def on_message(self, message):
         if isinstance(message, AgentInfoRequest):
             return self.info
-        wanted = (Registration, Heartbeat, Cancel) if self.role == "prefill" else (WriteDone, WriteFailed, CancelAck)
+        wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
+                  ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):
             self.thread.deliver(message)
         return None
@@ -123,12 +138,22 @@ class Peer:
         if op == "digest":
             return {"digest": [hashlib.sha256(b"".join(self.block_view(r, b).tobytes() for r in self.regions)).hexdigest()
                                for b in cmd["blocks"]]}
-        if op in ("kv_ready", "allocate"):
+        if op in ("kv_ready", "allocate", "lend"):
             self.outstanding[tid] = tuple(cmd["blocks"])
         if op == "kv_ready":
             self.thread.kv_ready(tid, tuple(cmd["blocks"]))
         elif op == "expect":
             self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
+        elif op == "lend":  # pull, P: hold the blocks and return the signed offer for the router
+            offer = PullOffer(tid, self.agent, self.address, 1, (RankRegions(0, self.agent, self.regions),),
+                              tuple(cmd["blocks"]), time.time() + self.lease_s)
+            self.thread.lend(offer)
+            return {"offer": base64.b64encode(self.codec.encode(offer)).decode()}
+        elif op == "offered":  # pull, D: the decode leg arrived with P's offer
+            self.thread.offered(self.codec.decode(base64.b64decode(cmd["offer"])))
+        elif op == "allocate" and self.mode == "pull":
+            self.thread.allocated(tid, RankRegions(0, self.agent, self.regions), tuple(cmd["blocks"]),
+                                  cmd.get("first", 0))
         elif op == "allocate":
             self.thread.allocated(Registration(
                 tid, self.agent, f"d-{tid}", self.address, 1, (RankRegions(0, self.agent, self.regions),),
@@ -157,6 +182,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--transport", choices=["nixl", "memory"], default="nixl")
+    parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument("--backend", default="UCX")
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--watchdog-s", type=float, default=3.0)
