@@ -43,6 +43,7 @@ class LEffect(enum.Enum):
     ARM_LEASE = "deadline := expires_at + max_write_s + clock_skew_allowance_s"
     FREE_BLOCKS = "free the offered blocks"
     FAIL = "report that nobody read the KV"
+    FREE_LATE_BLOCKS = "free the blocks of an offer made after the transfer ended"
     DROP = "count"
 
 
@@ -54,11 +55,12 @@ LENDER_TABLE: dict[tuple[LState, LEvent], Rule] = {
     (_L.HELD, _LE.EXPIRED): Rule(_L.EXPIRED, (_LF.FREE_BLOCKS, _LF.FAIL), "no decode read the KV within its lease"),
     (_L.HELD, _LE.ABORT): Rule(None, (_LF.DROP,)),  # a reader may be mid-READ: the lease decides
     (_L.HELD, _LE.SUPERSEDED): Rule(None),          # likewise
-    (_L.NEW, _LE.SUPERSEDED): Rule(None),
+    (_L.NEW, _LE.SUPERSEDED): Rule(_L.RELEASED, (), "superseded by a newer attempt"),
 }
 for _end in (_L.RELEASED, _L.EXPIRED):
     LENDER_TABLE.update({(_end, e): Rule(None, (_LF.DROP,)) for e in (_LE.CONFIRMED, _LE.ALL_CONFIRMED, _LE.ABORT)})
     LENDER_TABLE[(_end, _LE.SUPERSEDED)] = Rule(None)
+    LENDER_TABLE[(_end, _LE.OFFER)] = Rule(None, (_LF.FREE_LATE_BLOCKS,))  # nobody will read it
 
 
 @dataclass
@@ -125,6 +127,9 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
             step.actions.append(FreeBlocks(entry.transfer_id, entry.block_ids))
         elif effect is LEffect.FAIL:
             step.actions.append(FailTransfer(entry.transfer_id, step.reason or "expired"))
+        elif effect is LEffect.FREE_LATE_BLOCKS:
+            self._drop("offer:after_end")
+            step.actions.append(FreeBlocks(entry.transfer_id, step.payload.block_ids))
         elif effect is LEffect.DROP:
             self._drop(f"{type(step.payload).__name__.lower()}:{entry.state.value}")
 

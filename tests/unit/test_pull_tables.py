@@ -1,0 +1,168 @@
+"""Every row of pull mode's two tables (protocol/pull.py) and the lease/fence arithmetic."""
+
+import pytest
+
+from neuron_disagg.protocol import FailTransfer, FinishLoad, FreeBlocks, RankRegions, SendMessage, TransferId
+from neuron_disagg.protocol.geometry import ModelShape, rank_regions
+from neuron_disagg.protocol.messages import PullOffer, ReadDone, ReadFailed
+from neuron_disagg.protocol.pull import (
+    LENDER_TABLE, READER_TABLE, AbortRead, LenderCore, LEvent, LState, ReaderCore, REffect, REvent,
+    RState, SubmitRead,
+)
+
+REGIONS = rank_regions(ModelShape(2, 2, 8, 2, 4), 16)
+TID = TransferId("req")
+P_BLOCKS, D_BLOCKS = (1, 2, 3), (7, 8, 9)
+
+
+def offer(tid=TID, expires_at=10.0, p_tp=1):
+    ranks = tuple(RankRegions(r, f"p{r}", rank_regions(ModelShape(2, 2, 8, 2, 4), 16, r, p_tp)) for r in range(p_tp))
+    return PullOffer(tid, "p", "p-host:1", p_tp, ranks, P_BLOCKS, expires_at)
+
+
+def lender():
+    return LenderCore(0, 1, max_read_s=2, clock_skew_allowance_s=0.5, strict=True)
+
+
+def reader(tp_rank=0, tp_size=1):
+    return ReaderCore(tp_rank, tp_size, max_read_s=2, strict=True)
+
+
+LOCAL = RankRegions(0, "d0", REGIONS)
+
+L_PATHS = {
+    LState.NEW: [],
+    LState.HELD: [lambda c: c.offer(offer(), 0)],
+    LState.RELEASED: [lambda c: c.offer(offer(), 0), lambda c: c.confirmed(ReadDone(TID, 0, 1), 1)],
+    LState.EXPIRED: [lambda c: c.offer(offer(), 0), lambda c: c.tick(12.5)],
+}
+L_EVENTS = {
+    LEvent.OFFER: lambda c: c.offer(offer(), 2),
+    LEvent.CONFIRMED: lambda c: c.confirmed(ReadDone(TID, 0, 2), 2),  # 1 of 2 D ranks
+    LEvent.ALL_CONFIRMED: lambda c: c.confirmed(ReadFailed(TID, 0, 1, "gave up"), 2),
+    LEvent.ABORT: lambda c: c.abort(TID, "shutdown", 2),
+    LEvent.EXPIRED: lambda c: c.tick(12.5),
+    LEvent.SUPERSEDED: lambda c: c.offer(offer(TransferId("req", 1)), 2),
+}
+
+
+@pytest.mark.parametrize("state,event", sorted(LENDER_TABLE, key=lambda k: (k[0].value, k[1].value)),
+                         ids=lambda v: v.name)
+def test_every_lender_row(state, event):
+    rule = LENDER_TABLE[(state, event)]
+    c = lender()
+    for step in L_PATHS[state]:
+        step(c)
+    if state is LState.NEW and event is LEvent.SUPERSEDED:
+        c.offer(offer(TransferId("req", 1)), 0)
+        actions = c.offer(offer(), 1)  # an older attempt's offer: nobody will read it
+        assert c.state_of(TID) is LState.RELEASED and FreeBlocks(TID, P_BLOCKS) in actions
+        return
+    actions = L_EVENTS[event](c)
+    if state is LState.NEW:
+        assert c.state_of(TID) is (rule.next_state or state)
+        return
+    if event is LEvent.OFFER and state in (LState.RELEASED, LState.EXPIRED):
+        assert FreeBlocks(TID, P_BLOCKS) in actions
+        return
+    if (state, event) in ((LState.RELEASED, LEvent.CONFIRMED), (LState.EXPIRED, LEvent.CONFIRMED),
+                          (LState.RELEASED, LEvent.ALL_CONFIRMED), (LState.EXPIRED, LEvent.ALL_CONFIRMED)):
+        assert any(k.startswith("dropped") for k in c.counters)  # late confirmations are counted
+    assert c.state_of(TID) is (rule.next_state or state)
+    assert (FreeBlocks(TID, P_BLOCKS) in actions) == ("FREE_BLOCKS" in [e.name for e in rule.effects])
+
+
+def test_lender_waits_for_every_reading_rank_and_frees_once():
+    c = lender()
+    c.offer(offer(), 0)
+    assert c.confirmed(ReadDone(TID, 0, 2), 1) == []
+    assert c.confirmed(ReadDone(TID, 0, 2), 1) == []  # duplicate
+    assert c.counters["dropped:readdone:not_owed"] == 1
+    actions = c.confirmed(ReadDone(TID, 1, 2), 2)
+    assert [a for a in actions if isinstance(a, FreeBlocks)] == [FreeBlocks(TID, P_BLOCKS)]
+    assert c.tick(100) == []
+
+
+def test_lender_lease_outlasts_any_read():
+    c = lender()
+    c.offer(offer(expires_at=10.0), 0)
+    assert not [a for a in c.tick(12.49) if isinstance(a, FreeBlocks)]  # 10 + max_read 2 + skew 0.5
+    actions = c.tick(12.5)
+    assert FreeBlocks(TID, P_BLOCKS) in actions
+    assert any(isinstance(a, FailTransfer) and "lease" in a.reason for a in actions)
+
+
+R_PATHS = {
+    RState.NEW: [],
+    RState.WAITING: [lambda c: c.offered(offer(), 0)],
+    RState.READING: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)],
+    RState.ABORTING: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
+                      lambda c: c.abort(TID, "client gone", 1.5)],
+    RState.DONE: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
+                  lambda c: c.read_done(TID, 1.5)],
+    RState.FAILED: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
+                    lambda c: c.read_failed(TID, "peer died", 1.5)],
+    RState.CANCELLED: [lambda c: c.offered(offer(), 0), lambda c: c.abort(TID, "client gone", 1)],
+}
+R_EVENTS = {
+    REvent.OFFER: lambda c: c.offered(offer(), 1.8),
+    REvent.ALLOCATED: lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1.8),
+    REvent.READ_DONE: lambda c: c.read_done(TID, 1.8),
+    REvent.READ_FAILED: lambda c: c.read_failed(TID, "remote disconnected", 1.8),
+    REvent.ABORT: lambda c: c.abort(TID, "client gone", 1.8),
+    REvent.EXPIRED: lambda c: c.tick(c.entries[TID].deadline),
+    REvent.SUPERSEDED: lambda c: c.offered(offer(TransferId("req", 1)), 1.8),
+}
+R_ACTIONS = {REffect.SUBMIT_READ: SubmitRead, REffect.ABORT_READ: AbortRead, REffect.FINISH_LOAD: FinishLoad,
+             REffect.FAIL: FailTransfer, REffect.TELL_P_FAILED: SendMessage, REffect.FREE_BLOCKS: FreeBlocks,
+             REffect.FREE_LATE_BLOCKS: FreeBlocks}
+
+
+@pytest.mark.parametrize("state,event", sorted(READER_TABLE, key=lambda k: (k[0].value, k[1].value)),
+                         ids=lambda v: v.name)
+def test_every_reader_row(state, event):
+    rule = READER_TABLE[(state, event)]
+    c = reader()
+    for step in R_PATHS[state]:
+        step(c)
+    if state is RState.NEW:
+        c.offered(offer(TransferId("req", 1)), 0)
+        c.offered(offer(), 1)
+        assert c.state_of(TID) is RState.CANCELLED
+        return
+    actions = R_EVENTS[event](c)
+    assert c.state_of(TID) is (rule.next_state or state)
+    kinds = {type(a) for a in actions}
+    for effect in rule.effects:
+        if effect in R_ACTIONS:
+            assert R_ACTIONS[effect] in kinds, (effect, actions)
+    if REffect.FREE_BLOCKS not in rule.effects and REffect.FREE_LATE_BLOCKS not in rule.effects:
+        assert FreeBlocks not in kinds
+
+
+def test_reader_starts_no_read_on_an_expired_offer():
+    c = reader()
+    c.offered(offer(expires_at=5.0), 0)
+    actions = c.allocated(TID, LOCAL, D_BLOCKS, 0, 5.0)
+    assert not any(isinstance(a, SubmitRead) for a in actions)
+    assert FreeBlocks(TID, D_BLOCKS) in actions  # the late allocation goes straight back
+    assert any(isinstance(a, SendMessage) and isinstance(a.message, ReadFailed) for a in actions)
+
+
+def test_reader_plans_from_every_overlapping_prefill_rank():
+    c = reader(tp_rank=0, tp_size=1)
+    c.offered(offer(p_tp=2), 0)
+    (submit,) = [a for a in c.allocated(TID, LOCAL, D_BLOCKS, 0, 1) if isinstance(a, SubmitRead)]
+    assert set(submit.plans) == {0, 1}
+    assert {w.remote_agent for plan in submit.plans.values() for w in plan.writes} == {"p0", "p1"}
+    total = sum(plan.bytes for plan in submit.plans.values())
+    assert total == len(D_BLOCKS) * sum(r.block_bytes for r in REGIONS)
+
+
+def test_reader_rejects_an_offer_with_the_wrong_block_count():
+    c = reader()
+    c.offered(offer(), 0)
+    actions = c.allocated(TID, LOCAL, (7, 8), 0, 1)
+    assert c.counters["offer_rejected"] == 1
+    assert any(isinstance(a, FailTransfer) and "offer rejected" in a.reason for a in actions)
+    assert FreeBlocks(TID, (7, 8)) in actions
