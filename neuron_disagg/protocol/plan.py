@@ -131,6 +131,7 @@ def plan_rank_write(
     remote: RankRegions,
     src_blocks: np.ndarray,
     dst_blocks: np.ndarray,
+    merge: bool = True,
 ) -> RankWrite:
     """Descriptors from one P rank's regions into one D rank's, merged within each region pair.
 
@@ -164,7 +165,9 @@ def plan_rank_write(
         # offsets within a region and then placed at every region's base.
         rel_src = ((src_blocks.astype(_U64) * _U64(src_stride))[:, None] + np.array(src_off, dtype=_U64)).ravel()
         rel_dst = ((dst_blocks.astype(_U64) * _U64(dst_stride))[:, None] + np.array(dst_off, dtype=_U64)).ravel()
-        rel_src, rel_dst, run = merge_runs(rel_src, rel_dst, np.full(len(rel_src), span, dtype=_U64))
+        run = np.full(len(rel_src), span, dtype=_U64)
+        if merge:
+            rel_src, rel_dst, run = merge_runs(rel_src, rel_dst, run)
         src_base = np.array([p[0].base_addr for p in pairs], dtype=_U64)[:, None]
         dst_base = np.array([p[1].base_addr for p in pairs], dtype=_U64)[:, None]
         s, d = (src_base + rel_src).ravel(), (dst_base + rel_dst).ravel()
@@ -192,9 +195,11 @@ def plan_write(
     p_tp_size: int,
     registration: Registration,
     src_block_ids: Sequence[int],
+    merge: bool = True,
 ) -> WritePlan:
     """Everything P's rank ``p_rank`` must write for ``registration``. Raises PlanError if the
-    registration is inconsistent with our geometry or block list — before any byte moves."""
+    registration is inconsistent with our geometry or block list — before any byte moves.
+    ``merge=False`` keeps one descriptor per block and span: only for measuring what merging saves."""
     first = registration.first_block_index
     dst_blocks = np.asarray(registration.block_ids, dtype=np.int64)
     if first < 0 or first + len(dst_blocks) != len(src_block_ids):
@@ -212,5 +217,5 @@ def plan_write(
             raise PlanError(f"registration lacks decode rank {d_rank} of {registration.d_tp_size}")
         if len(dst_blocks) == 0:
             continue
-        writes.append(plan_rank_write(local, ranks[d_rank], src_blocks, dst_blocks))
+        writes.append(plan_rank_write(local, ranks[d_rank], src_blocks, dst_blocks, merge))
     return WritePlan(tuple(writes))

@@ -161,9 +161,11 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
     EXPIRED, SUPERSEDED = PEvent.EXPIRED, PEvent.SUPERSEDED
 
     def __init__(self, regions: tuple[Region, ...], tp_rank: int = 0, tp_size: int = 1,
-                 timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False):
+                 timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False,
+                 merge_descriptors: bool = True):
         super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
         self.regions = regions
+        self.merge_descriptors = merge_descriptors  # False only to measure what merging saves
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeouts = timeouts
 
@@ -283,7 +285,8 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
     def _submit(self, entry: ProducerTransfer, step: Step) -> None:
         reg = entry.registration
         try:
-            plan = plan_write(self.regions, self.tp_rank, self.tp_size, reg, entry.block_ids)
+            plan = plan_write(self.regions, self.tp_rank, self.tp_size, reg, entry.block_ids,
+                              self.merge_descriptors)
         except PlanError as exc:
             self.counters["registration_rejected"] += 1
             step.payload = None

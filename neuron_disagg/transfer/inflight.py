@@ -44,7 +44,8 @@ class InFlight:
         self.transport, self.peers = transport, peers
         self.on_peer_ready = on_peer_ready
         self.stats = stats
-        self.post_seconds: list[float] = []
+        self.post_seconds: list[float] = []   # submit -> every part posted (or parked)
+        self.done_seconds: list[float] = []   # submit -> every part complete
         self._batches: dict[TransferId, _Batch] = {}
 
     def __bool__(self) -> bool:
@@ -113,6 +114,7 @@ class InFlight:
                 failed.append((tid, str(exc)))
                 continue
             if finished and not batch.parked:
+                self.done_seconds.append(time.perf_counter() - batch.started)
                 self.release(tid)
                 done.append(tid)
         return done, failed

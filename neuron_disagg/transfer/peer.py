@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import Config
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
-from ..protocol.geometry import ModelShape, rank_regions, regions_bytes
+from ..protocol.geometry import QWEN3_32B, ModelShape, rank_regions, regions_bytes
 from ..protocol.messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
     Registration, TransferId, WriteDone, WriteFailed,
@@ -52,6 +52,8 @@ from .writer import PushWriter
 EVENTS = sys.stdout
 _instances = itertools.count()
 SHAPE = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+# name -> (model shape, TP size whose rank 0 this process plays)
+SHAPES = {"small": (SHAPE, 1), "qwen3-32b-tp8": (QWEN3_32B, 8)}
 
 
 class Peer:
@@ -59,8 +61,9 @@ class Peer:
         self.role = args.role
         self._emit = emit
         self.codec = WireCodec(Config().load_secret())
-        self.buffer = np.zeros(regions_bytes(rank_regions(SHAPE, args.blocks)), dtype=np.uint8)
-        self.regions = rank_regions(SHAPE, args.blocks, base_addr=self.buffer.ctypes.data)
+        shape, tp = SHAPES[args.shape]
+        self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, 0, tp)), dtype=np.uint8)
+        self.regions = rank_regions(shape, args.blocks, 0, tp, base_addr=self.buffer.ctypes.data)
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
                           else InMemoryTransport(self.agent))
@@ -68,6 +71,7 @@ class Peer:
         self.info = AgentInfo(0, self.agent, self.transport.metadata(),
                               tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
         self.outstanding: dict[TransferId, tuple[int, ...]] = {}  # blocks lent to a transfer
+        self.allocated_at: dict[TransferId, float] = {}
         self._out = threading.Lock()
         self.server = SideChannelServer("127.0.0.1", args.port, self.codec, self.on_message, args.role)
         self.address = self.server.address
@@ -82,7 +86,7 @@ class Peer:
                                      self.failed, self.freed)
         elif self.role == "prefill":
             t = ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60)
-            self.core = ProducerCore(self.regions, 0, 1, t)
+            self.core = ProducerCore(self.regions, 0, 1, t, merge_descriptors=not args.no_merge)
             self.thread = PushWriter(self.core, self.transport, self.codec, peers, self.freed)
         else:
             t = ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60)
@@ -106,7 +110,9 @@ class Peer:
 
     def loaded(self, tid):
         self.outstanding.pop(tid, None)  # handed to decode: the engine owns them now
-        self.emit({"event": "loaded", "tid": [tid.request, tid.attempt]})
+        started = self.allocated_at.pop(tid, None)
+        latency = None if started is None else (time.perf_counter() - started) * 1e3
+        self.emit({"event": "loaded", "tid": [tid.request, tid.attempt], "ms_since_allocate": latency})
 
     def failed(self, tid, reason):
         self.emit({"event": "failed", "tid": [tid.request, tid.attempt], "reason": reason})
@@ -119,6 +125,12 @@ class Peer:
                   ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):
             self.thread.deliver(message)
+        return None
+
+    def _inflight(self):
+        for name in ("writes", "reads"):
+            if hasattr(self.thread, name):
+                return getattr(self.thread, name)
         return None
 
     # -- commands -----------------------------------------------------------------------------------------
@@ -140,6 +152,8 @@ class Peer:
                                for b in cmd["blocks"]]}
         if op in ("kv_ready", "allocate", "lend"):
             self.outstanding[tid] = tuple(cmd["blocks"])
+        if op == "allocate":
+            self.allocated_at[tid] = time.perf_counter()
         if op == "kv_ready":
             self.thread.kv_ready(tid, tuple(cmd["blocks"]))
         elif op == "expect":
@@ -165,7 +179,8 @@ class Peer:
                     "live": len(self.core.live()),
                     "outstanding_blocks": sum(len(b) for b in self.outstanding.values()),
                     "writer": dict(getattr(self.thread, "stats", {})),
-                    "post_ms": [s * 1e3 for s in getattr(getattr(self.thread, "writes", None), "post_seconds", [])],
+                    "post_ms": [s * 1e3 for s in getattr(self._inflight(), "post_seconds", [])],
+                    "transfer_ms": [s * 1e3 for s in getattr(self._inflight(), "done_seconds", [])],
                     "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}
         elif op == "shutdown":
             self.thread.shutdown()
@@ -183,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--transport", choices=["nixl", "memory"], default="nixl")
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--no-merge", action="store_true", help="post one descriptor per block (to measure merging)")
     parser.add_argument("--backend", default="UCX")
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--watchdog-s", type=float, default=3.0)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from .peers import PeerProcess
+from neuron_disagg.transfer.peer_process import PeerProcess
 
 pytestmark = pytest.mark.integration
 

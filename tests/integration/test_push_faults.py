@@ -10,7 +10,7 @@ from neuron_disagg.protocol.geometry import rank_regions
 from neuron_disagg.transfer.peer import SHAPE
 from neuron_disagg.transfer.side_channel import SideChannelClient, rank_address
 
-from .peers import SECRET, PeerProcess
+from neuron_disagg.transfer.peer_process import SECRET, PeerProcess
 
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2

@@ -1,17 +1,20 @@
-"""Real P and D rank processes (``neuron_disagg.transfer.peer``) driven over stdin/stdout."""
+"""Drive a real P or D rank process (``neuron_disagg.transfer.peer``) over its stdin/stdout: what
+the integration tests and the transfer benchmark use."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-SECRET = "integration-test-secret-0123456789abcdef"
+# One secret per driving process, handed to the processes it starts (never a constant in the code).
+SECRET = secrets.token_hex(24)
 
 
 class PeerProcess:
