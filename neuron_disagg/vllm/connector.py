@@ -1,0 +1,102 @@
+"""``NeuronDisaggConnector``: vLLM's KVConnectorBase_V1, push mode over NIXL.
+
+vLLM builds it twice: once in the engine-core process (``role=SCHEDULER``) and once in every worker
+process (``role=WORKER``). Each method below says which side calls it and when; the work lives in
+``scheduler.SchedulerSide`` and ``worker.WorkerSide``. Load with
+``--kv-transfer-config '{"kv_connector": "NeuronDisaggConnector",
+"kv_connector_module_path": "neuron_disagg.vllm.connector", ...}'`` — ``neuron-disagg serve``
+writes that for you.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ..config import Config
+from .metadata import StepMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+class NeuronDisaggConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = Config.from_mapping(transfer.kv_connector_extra_config or {},
+                                          source="kv_connector_extra_config")
+        if transfer.kv_role not in _ROLES:
+            raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
+                             "or kv_consumer (decode)")
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker_side = WorkerSide(self.config, _ROLES[transfer.kv_role], transfer.engine_id,
+                                          get_tensor_model_parallel_rank(),
+                                          vllm_config.parallel_config.tensor_parallel_size)
+
+    # -- scheduler side (engine-core process, engine loop) --------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler, for a waiting request: D loads the prompt's KV from P asynchronously."""
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Scheduler, after allocating blocks: D registers the fresh ones with P (next step)."""
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> StepMetadata:
+        """Scheduler, once per step: this step's work for the workers."""
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, when a request ends: P keeps its blocks until the writer is done with them."""
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler, after each step: what the workers finished sending or receiving."""
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Scheduler: keep stepping while P holds blocks for the writer, so their frees are seen."""
+        return self.scheduler_side.has_pending_push_work()
+
+    # -- worker side (worker process, engine loop) ------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        """Worker, once at start-up: register the KV tensors and start the transfer threads."""
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Worker, each step: nothing to do here; loads are asynchronous on our threads."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker, per layer: never waits (loads complete between steps)."""
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        """Worker, per layer: nothing; P's KV is written once the request's prefill is done."""
+
+    def wait_for_save(self) -> None:
+        """Worker, once per step after the forward: hand this step's work to the transfer threads."""
+        if self.has_connector_metadata():
+            self.worker_side.hand_off(self._get_connector_metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker, each step: requests whose blocks the threads released, loaded, or failed."""
+        sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        """Worker, at exit: stop the threads (in-flight transfers fail with a reason)."""
+        if self.worker_side is not None:
+            self.worker_side.shutdown()

@@ -1,0 +1,54 @@
+"""The request's ``kv_transfer_params`` as the router writes them, parsed and checked once.
+
+Push, prefill leg:  {"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": "req#0"}
+Push, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": "req#0",
+                     "p_side_channel": "host:port", "p_tp_size": 8}
+Pull, prefill leg:  as push with "mode": "pull"; its response carries {"neuron_disagg": 1, "offer": ...}
+Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": ..., "offer": ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..protocol.messages import TransferId
+
+
+class BadTransferParams(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LegParams:
+    role: Literal["prefill", "decode"]
+    mode: Literal["push", "pull"]
+    transfer_id: TransferId
+    p_side_channel: str = ""
+    p_tp_size: int = 1
+    offer: str = ""  # base64 signed PullOffer (pull, decode leg)
+
+
+def parse_transfer_id(text: str) -> TransferId:
+    request, sep, attempt = str(text).rpartition("#")
+    if not sep or not request or not attempt.isdigit():
+        raise BadTransferParams(f"transfer_id {text!r} is not '<request>#<attempt>'")
+    return TransferId(request, int(attempt))
+
+
+def parse(params: dict[str, Any] | None) -> LegParams | None:
+    """None when the request is not ours (no "neuron_disagg" key): it runs as a plain request."""
+    if not params or "neuron_disagg" not in params:
+        return None
+    role, mode = params.get("role"), params.get("mode", "push")
+    if role not in ("prefill", "decode") or mode not in ("push", "pull"):
+        raise BadTransferParams(f"kv_transfer_params role={role!r} mode={mode!r} is not supported")
+    tid = parse_transfer_id(params.get("transfer_id", ""))
+    if role == "decode" and mode == "push":
+        side = params.get("p_side_channel", "")
+        if ":" not in str(side):
+            raise BadTransferParams("a push decode leg needs p_side_channel 'host:port'")
+        return LegParams(role, mode, tid, str(side), int(params.get("p_tp_size", 1)))
+    if role == "decode" and mode == "pull" and not params.get("offer"):
+        raise BadTransferParams("a pull decode leg needs the prefill's offer")
+    return LegParams(role, mode, tid, offer=str(params.get("offer", "")))

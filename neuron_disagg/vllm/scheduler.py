@@ -1,0 +1,126 @@
+"""The connector's scheduler side: runs in vLLM's engine-core process, on the engine loop.
+
+It translates vLLM's scheduler calls into work for the worker side (``StepMetadata``) and keeps one
+``Leg`` per disaggregated request with an explicit state. It does no I/O: every call is a few
+dictionary operations, so the engine loop never waits on a transfer (I5).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from . import params as leg_params
+from .metadata import Registration, StepMetadata
+
+log = logging.getLogger(__name__)
+
+
+class LegState(enum.Enum):
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # D: known, no blocks allocated yet
+    LOADING = "loading"                        # D: blocks registered with P; KV on its way
+    ABORTING = "aborting"                      # D: aborted while loading; blocks fenced by the worker
+    LOADED = "loaded"                          # D: KV arrived; decoding
+    FAILED = "failed"                          # D: no KV; vLLM's kv_load_failure_policy applies
+    PREFILLING = "prefilling"                  # P
+    HANDED_OFF = "handed_off"                  # P: blocks held until the writer is done with them
+
+
+@dataclass
+class Leg:
+    request_id: str
+    params: leg_params.LegParams
+    state: LegState
+    local_hit_tokens: int = 0
+    announced: bool = False  # D: the worker has been told to expect this transfer
+
+
+class SchedulerSide:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.legs: dict[str, Leg] = {}
+        self._step = StepMetadata()
+
+    def _leg(self, request) -> Leg | None:
+        leg = self.legs.get(request.request_id)
+        if leg is None:
+            parsed = leg_params.parse(getattr(request, "kv_transfer_params", None))
+            if parsed is None:
+                return None
+            state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
+            leg = self.legs[request.request_id] = Leg(request.request_id, parsed, state)
+        return leg
+
+    # -- D ---------------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """D: the whole prompt beyond our local prefix hit comes from P, asynchronously."""
+        leg = self._leg(request)
+        if leg is None or leg.params.role != "decode" or leg.state is not LegState.WAITING_FOR_BLOCKS:
+            return 0, False  # not ours, or a retry after a failed load: compute locally
+        if leg.params.mode == "pull":
+            raise leg_params.BadTransferParams("pull mode through vLLM is not available yet; use push")
+        if not leg.announced:  # from now on the worker heartbeats P, keeping P's lease alive
+            self._step.expect.append((leg.params.transfer_id, leg.params.p_side_channel, leg.params.p_tp_size))
+            leg.announced = True
+        leg.local_hit_tokens = num_computed_tokens
+        return len(request.prompt_token_ids) - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        leg = self.legs.get(request.request_id)
+        if leg is None or num_external_tokens == 0 or leg.state is not LegState.WAITING_FOR_BLOCKS:
+            return
+        first = leg.local_hit_tokens // self.block_size
+        prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
+        self._step.register.append(Registration(leg.params.transfer_id, request.request_id, block_ids, first))
+        leg.state = LegState.LOADING
+
+    # -- both ------------------------------------------------------------------------------------------
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        leg = self.legs.get(request.request_id)
+        if leg is None:
+            return False, None
+        tid, status = leg.params.transfer_id, str(getattr(request, "status", ""))
+        if leg.params.role == "prefill":
+            if "ABORTED" not in status and "ERROR" not in status and block_ids:
+                self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
+                leg.state = LegState.HANDED_OFF
+                return True, None  # the writer frees them; we hear of it in finished_sending
+            self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))
+            del self.legs[request.request_id]
+            return False, None
+        if leg.state is LegState.LOADING:
+            # vLLM holds the blocks until our worker reports this request finished receiving,
+            # which it does only once P confirmed or the fence passed (I2).
+            self._step.abort.append((tid, "decode", "decode request aborted"))
+            leg.state = LegState.ABORTING
+            return False, None
+        if leg.state is LegState.WAITING_FOR_BLOCKS:
+            self._step.abort.append((tid, "decode", "decode request aborted before it had blocks"))
+        del self.legs[request.request_id]
+        return False, None
+
+    def build_connector_meta(self, scheduler_output) -> StepMetadata:
+        step, self._step = self._step, StepMetadata()
+        return step
+
+    def update_connector_output(self, output) -> None:
+        failed = set(getattr(output, "failed_recving", None) or ())
+        for request_id in output.finished_recving or ():
+            leg = self.legs.get(request_id)
+            if leg is None:
+                continue
+            if leg.state is LegState.ABORTING:
+                del self.legs[request_id]
+            else:
+                leg.state = LegState.FAILED if request_id in failed else LegState.LOADED
+        for request_id in output.finished_sending or ():
+            leg = self.legs.get(request_id)
+            if leg is not None and leg.state is LegState.HANDED_OFF:
+                del self.legs[request_id]
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a P request's blocks wait for the writer."""
+        return any(leg.state is LegState.HANDED_OFF for leg in self.legs.values())

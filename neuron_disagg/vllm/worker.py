@@ -1,0 +1,141 @@
+"""The connector's worker side: runs in each vLLM worker process (one per TP rank).
+
+``register_kv_caches`` describes the KV tensors as regions, registers them with a NIXL agent,
+opens this rank's side channel and starts the transfer threads for the instance's role. Each
+engine step the step's metadata is handed to those threads (queue puts only), and the threads'
+results come back through ``get_transfer_results`` as request ids vLLM understands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..config import Config
+from ..platforms.kv_layout import regions_from_kv_caches
+from ..protocol.consumer import ConsumerCore
+from ..protocol.messages import (
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, RankRegions, Registration, TransferId,
+    WriteDone, WriteFailed,
+)
+from ..protocol.producer import ProducerCore
+from ..protocol.wire import WireCodec
+from ..transfer.peers import Peers
+from ..transfer.receiver import PushReceiver
+from ..transfer.side_channel import SideChannelClient, SideChannelServer
+from ..transfer.transport import NixlTransport
+from ..transfer.writer import PushWriter
+from .metadata import StepMetadata
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: Config, role: str, engine_id: str, tp_rank: int, tp_size: int):
+        if role not in ("prefill", "decode"):
+            raise ValueError("neuron-disagg runs an instance as prefill (kv_producer) or decode "
+                             f"(kv_consumer), not {role!r}")
+        self.config, self.role, self.engine_id = config, role, engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.codec = WireCodec(config.load_secret(), config.max_message_bytes)
+        self.agent_name = f"{engine_id}-rank{tp_rank}"
+        self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
+        self.thread: PushWriter | PushReceiver | None = None
+        self._lock = threading.Lock()
+        self._request_of: dict[TransferId, str] = {}
+        self._freed: set[str] = set()
+        self._loaded: set[str] = set()
+        self._failed: set[str] = set()
+        self._seen_finished: set[str] = set()
+
+    # -- start-up ----------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self.regions = regions_from_kv_caches(kv_caches, self.tp_rank)
+        backend = "UCX" if self.config.backend == "auto" else self.config.backend
+        self.transport = NixlTransport(self.agent_name, backend, "DRAM")
+        self.transport.register(self.regions)
+        info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
+                         tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
+        peers = Peers(self.transport, SideChannelClient(self.codec), self.address, f"{self.role}{self.tp_rank}")
+        if self.role == "prefill":
+            core = ProducerCore(self.regions, self.tp_rank, self.tp_size, self.config.producer_timeouts())
+            self.thread = PushWriter(core, self.transport, self.codec, peers, self._on_free)
+            accepts = (Registration, Heartbeat, Cancel)
+        else:
+            core = ConsumerCore(self.address, self.tp_rank, self.tp_size, self.config.consumer_timeouts())
+            self.thread = PushReceiver(core, self.transport, self.codec, peers, self._on_loaded,
+                                       self._on_failed, self._on_free)
+            accepts = (WriteDone, WriteFailed, CancelAck)
+
+        def on_message(message):
+            if isinstance(message, AgentInfoRequest):
+                return info
+            if isinstance(message, accepts):
+                self.thread.deliver(message)
+            return None
+
+        self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port + self.tp_rank,
+                                        self.codec, on_message, f"side-channel-{self.tp_rank}").start()
+        self.thread.start()
+        log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
+                 self.role, self.tp_rank, len(self.regions), backend, self.server.address)
+
+    # -- each engine step (engine loop: queue puts only) ----------------------------------------------
+    def hand_off(self, step: StepMetadata) -> None:
+        for tid, request_id, blocks in step.kv_ready:
+            self._request_of[tid] = request_id
+            self.thread.kv_ready(tid, blocks)
+        for tid, p_side_channel, p_tp_size in step.expect:
+            self.thread.expect(tid, p_side_channel, p_tp_size)
+        for reg in step.register:
+            self._request_of[reg.transfer_id] = reg.request_id
+            self.thread.allocated(Registration(
+                reg.transfer_id, self.engine_id, reg.request_id, self.address, self.tp_size,
+                (RankRegions(self.tp_rank, self.agent_name, self.regions),), reg.block_ids,
+                reg.first_block_index, 0.0))
+        for tid, _role, reason in step.abort:
+            self.thread.abort(tid, reason)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        with self._lock:
+            self._seen_finished |= finished_req_ids
+            if self.role == "prefill":
+                # vLLM accepts only ids it has already listed as finished on this worker.
+                sending = self._freed & self._seen_finished
+                self._freed -= sending
+                self._seen_finished -= sending
+                return sending, set(), set()
+            recving = self._loaded | self._freed
+            failed = self._failed & recving
+            self._loaded, self._freed, self._failed = set(), set(), self._failed - failed
+            return set(), recving, failed
+
+    # -- transfer threads' callbacks (any thread) ------------------------------------------------------
+    def _request(self, tid: TransferId) -> str | None:
+        return self._request_of.pop(tid, None)
+
+    def _on_free(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
+        request_id = self._request(tid)
+        if request_id is not None:
+            with self._lock:
+                self._freed.add(request_id)
+
+    def _on_loaded(self, tid: TransferId) -> None:
+        request_id = self._request(tid)
+        if request_id is not None:
+            with self._lock:
+                self._loaded.add(request_id)
+
+    def _on_failed(self, tid: TransferId, reason: str) -> None:
+        request_id = self._request_of.get(tid)  # FreeBlocks follows and ends the mapping
+        if request_id is not None:
+            log.warning("request %s (transfer %s) gets no KV: %s", request_id, tid, reason)
+            with self._lock:
+                self._failed.add(request_id)
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown()
+            self.server.close()
+            self.transport.close()
