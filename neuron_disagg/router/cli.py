@@ -1,0 +1,110 @@
+"""``neuron-disagg router``: parse flags, validate everything, serve until SIGINT/SIGTERM.
+
+Called by ``neuron_disagg.cli.main`` with the arguments after ``router``. A bad flag, spec or
+config file exits with status 2 and a message naming what to fix, before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from ..config import Config, ConfigError
+from .instances import Instance, InstanceSpecError, parse_instance_spec
+from .server import start_router
+from .settings import RouterSettings
+
+API_KEY_ENV = "NEURON_DISAGG_ROUTER_API_KEY"
+_TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeout_s",
+             "decode_idle_timeout_s", "health_interval_s", "health_timeout_s",
+             "health_failures_to_eject", "metrics_stale_s", "kv_cache_full_fraction",
+             "prefill_retries", "max_body_bytes", "upstream_connection_limit")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neuron-disagg router",
+        description="Push-aware OpenAI-compatible router in front of vLLM prefill and decode instances.")
+    parser.add_argument("--prefill", action="append", default=[], metavar="SPEC",
+                        help="a prefill instance, repeatable: URL[,side_channel=HOST:PORT][,tp=N]; "
+                             "side_channel defaults to the URL's host and the config's side_channel_port")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode instance, repeatable")
+    parser.add_argument("--mode", choices=("push", "pull"),
+                        help="KV transfer mode (default: the config's mode); a request may override "
+                             "it with a top-level \"disagg_mode\" field")
+    parser.add_argument("--config", metavar="FILE", help="the deployment config shared with the instances")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", help=f"clients must send it as a Bearer token (prefer the "
+                                          f"{API_KEY_ENV} environment variable: flags show in ps)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    defaults = RouterSettings()
+    for name in _TUNABLES:
+        field = RouterSettings.model_fields[name]
+        kind = int if isinstance(getattr(defaults, name), int) else float
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, metavar="N",
+                            help=f"{field.description or name} (default {getattr(defaults, name)})")
+    return parser
+
+
+def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, argparse.Namespace]:
+    """Everything ``main`` needs, validated; raises ConfigError or InstanceSpecError."""
+    args = _parser().parse_args(argv)
+    config = Config.from_yaml(args.config) if args.config else Config()
+    settings = RouterSettings.build(
+        mode=args.mode or config.mode,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        **{name: getattr(args, name) for name in _TUNABLES})
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    instances = [parse_instance_spec("prefill", s, config.side_channel_port) for s in args.prefill]
+    instances += [parse_instance_spec("decode", s, config.side_channel_port) for s in args.decode]
+    urls = [i.url for i in instances]
+    dupes = sorted({u for u in urls if urls.count(u) > 1})
+    if dupes:
+        raise InstanceSpecError(f"instance(s) given more than once: {', '.join(dupes)}")
+    return settings, instances, config, args
+
+
+async def _serve(settings: RouterSettings, instances: list[Instance], config: Config,
+                 host: str, port: int) -> None:
+    log = logging.getLogger("neuron_disagg.router")
+    router = await start_router(settings, instances, host=host, port=port,
+                                side_channel_port=config.side_channel_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    roles = {r: [i.url for i in instances if i.role == r] for r in ("prefill", "decode")}
+    log.info("router on %s, mode %s, prefill %s, decode %s%s", router.url, settings.mode,
+             roles["prefill"] or "none", roles["decode"] or "none",
+             ", API key required" if settings.api_key else "")
+    if not roles["prefill"] or not roles["decode"]:
+        log.warning("no %s instance yet: requests get 503 until one is added with POST /admin/instances",
+                    "prefill" if not roles["prefill"] else "decode")
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: open streams get up to 10 s")
+        await router.close()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings, instances, config, args = build(argv)
+    except (ConfigError, InstanceSpecError) as exc:
+        print(f"neuron-disagg router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(settings, instances, config, args.host, args.port))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"neuron-disagg router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

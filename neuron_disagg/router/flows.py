@@ -1,0 +1,249 @@
+"""One client request through P and D: push (both legs at once) or pull (P, then D), a retry on
+another P, and the relay of D's answer to the client.
+
+``app.py`` builds one ``Flows`` per router and calls ``handle`` from the completions handlers
+after validating the body. Invariants kept here:
+- nothing reaches the client before D's first byte, so until then a failed P can be retried;
+- every leg that is abandoned is closed (vLLM aborts the request; D's connector frees its
+  blocks), and a retry is a new transfer id ``attempt + 1`` with a new D leg, which supersedes
+  the old attempt on both sides (I1);
+- a client that goes away cancels every leg (the handler is cancelled: ``handler_cancellation``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
+                     sse_error_event)
+from .ids import format_transfer_id
+from .instances import Instance, InstancePool, Role
+from .legs import DecodeLeg, prefill_leg
+from .metrics import RouterMetrics
+from .requests import (ClientRequest, decode_body, prefill_body, pull_decode_params,
+                       push_decode_params)
+from .settings import Mode, RouterSettings
+
+logger = logging.getLogger("neuron_disagg.router")
+
+
+class RequestLog(logging.LoggerAdapter):
+    """Prefixes every line with the request id, whatever the handler's format."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{self.extra['request_id']}] {msg}", kwargs  # type: ignore[index]
+
+
+@dataclass
+class RequestContext:
+    request_id: str          # the X-Request-Id the client sees
+    transfer_base: str       # the request half of every transfer id
+    headers: dict[str, str]  # forwarded to instances (the client's Authorization)
+    arrived: float           # monotonic
+    log: RequestLog
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Flows:
+    def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, settings: RouterSettings,
+                 metrics: RouterMetrics):
+        self.pool, self.session, self.settings, self.metrics = pool, session, settings, metrics
+        self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
+                                                sock_connect=settings.connect_timeout_s)
+
+    # -- entry point ------------------------------------------------------------------------------
+    async def handle(self, request: web.Request, req: ClientRequest,
+                     ctx: RequestContext) -> web.StreamResponse:
+        outcome = "ok"
+        p_task: asyncio.Task | None = None
+        d_leg: DecodeLeg | None = None
+        try:
+            if req.mode == "push":
+                d_leg, p_task = await self._push(req, ctx)
+            else:
+                d_leg = await self._pull(req, ctx)
+            resp, outcome = await self._relay(request, req, ctx, d_leg)
+            if p_task is not None:  # push: drain P's answer (it is bounded by prefill_timeout_s)
+                d_leg.close()
+                await asyncio.gather(p_task, return_exceptions=True)
+            return resp
+        except RouterError as exc:
+            outcome = {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(exc.status, "error")
+            if isinstance(exc, NoInstance):
+                self.metrics.failures.labels(exc.code).inc()
+            ctx.log.warning("failed: %s (%s)", exc.message, exc.code)
+            raise
+        except UpstreamRejected as exc:
+            outcome = "rejected"
+            ctx.log.info("%s; relaying its answer to the client", exc)
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self.metrics.failures.labels("client_disconnected").inc()
+            ctx.log.info("client went away; cancelling every leg")
+            raise
+        finally:
+            if p_task is not None:
+                await _cancel(p_task)  # a no-op if done; also collects its exception
+            if d_leg is not None:
+                d_leg.close()
+            elapsed = time.monotonic() - ctx.arrived
+            self.metrics.requests.labels(req.mode, outcome).inc()
+            self.metrics.e2e.labels(req.mode).observe(elapsed)
+            ctx.log.debug("%s request ended: %s after %.3f s", req.mode, outcome, elapsed)
+
+    # -- push: both legs at once under one transfer id --------------------------------------------
+    async def _push(self, req: ClientRequest, ctx: RequestContext) -> tuple[DecodeLeg, asyncio.Task]:
+        tried: set[Instance] = set()
+        attempt = 0
+        while True:
+            p = self._pick("prefill", tried)
+            d = self._pick("decode")
+            tid = format_transfer_id(ctx.transfer_base, attempt)
+            ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
+            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, "push"))
+            d_leg = self._decode_leg(req, ctx, d, push_decode_params(tid, p.side_channel, p.tp))
+            d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
+            committed = False
+            try:
+                done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                if d_task in done or p_task.exception() is None:
+                    await d_task  # D's failure is the request's failure; P is cancelled below
+                    committed = True
+                    return d_leg, p_task
+                # P failed before D sent anything. D would wait for KV that never comes: close its
+                # leg (finally) and, if allowed, start over on another P with a new transfer id.
+                exc = p_task.exception()
+                assert exc is not None
+                tried.add(p)
+                if not self._may_retry(exc, attempt, tried):
+                    raise exc
+                ctx.log.warning("transfer_id=%s: P %s failed (%s); cancelled D %s, retrying on "
+                                "another P", tid, p.url, getattr(exc, "code", exc), d.url)
+                self.metrics.retries.labels("push", getattr(exc, "code", "error")).inc()
+            finally:
+                if not committed:
+                    await _cancel(p_task, d_task)
+                    d_leg.close()
+            attempt += 1
+
+    # -- pull: P first, then D with P's kv_transfer_params ----------------------------------------
+    async def _pull(self, req: ClientRequest, ctx: RequestContext) -> DecodeLeg:
+        tried: set[Instance] = set()
+        attempt = 0
+        while True:
+            p = self._pick("prefill", tried)
+            tid = format_transfer_id(ctx.transfer_base, attempt)
+            ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
+            try:
+                answer = await self._prefill(req, ctx, p, tid, "pull")
+                break
+            except (RouterError, UpstreamRejected) as exc:
+                tried.add(p)
+                if not self._may_retry(exc, attempt, tried):
+                    raise
+                ctx.log.warning("transfer_id=%s: P %s failed (%s); retrying on another P",
+                                tid, p.url, getattr(exc, "code", exc))
+                self.metrics.retries.labels("pull", getattr(exc, "code", "error")).inc()
+            attempt += 1
+        p_params = answer.get("kv_transfer_params")
+        if not isinstance(p_params, dict):
+            self.metrics.failures.labels("prefill_no_kv_transfer_params").inc()
+            raise UpstreamFailed(
+                f"prefill instance {p.url} answered without a kv_transfer_params object (got "
+                f"{type(p_params).__name__}); is it running the neuron_disagg connector?",
+                code="prefill_no_kv_transfer_params", instance=p)
+        d = self._pick("decode")  # late decode choice: the point of pull
+        d_leg = self._decode_leg(req, ctx, d, pull_decode_params(tid, p_params))
+        try:
+            await self._open_decode(d_leg, req, ctx, tid)
+        except BaseException:
+            d_leg.close()
+            raise
+        return d_leg
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _pick(self, role: Role, exclude: set[Instance] | None = None) -> Instance:
+        return self.pool.pick(role, time.monotonic(), exclude=frozenset(exclude or ()),
+                              metrics_stale_s=self.settings.metrics_stale_s,
+                              kv_cache_full_fraction=self.settings.kv_cache_full_fraction)
+
+    def _may_retry(self, exc: BaseException, attempt: int, tried: set[Instance]) -> bool:
+        """Another P can help when this one is down or broken (connect error, reset, 5xx) — not
+        when the request is at fault (4xx) and not after a timeout (that would double the wait).
+        With no other healthy P the client gets P's own failure, not a "no instance" 503."""
+        return (isinstance(exc, UpstreamFailed) and attempt < self.settings.prefill_retries
+                and any(i not in tried for i in self.pool.healthy("prefill")))
+
+    def _failed(self, ctx: RequestContext, tid: str, exc: RouterError) -> None:
+        self.metrics.failures.labels(exc.code).inc()
+        ctx.log.warning("transfer_id=%s: %s (%s)", tid, exc.message, exc.code)
+        if exc.unreachable and exc.instance is not None and self.pool.set_health(exc.instance, False):
+            ctx.log.warning("ejected %s until a health check passes", exc.instance.url)
+
+    async def _prefill(self, req: ClientRequest, ctx: RequestContext, p: Instance, tid: str,
+                       mode: Mode) -> dict[str, Any]:
+        with self.pool.lease(p, req.prompt_tokens):
+            try:
+                return await prefill_leg(self.session, p, req.path, prefill_body(req, mode, tid),
+                                         {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
+            except RouterError as exc:
+                self._failed(ctx, tid, exc)
+                raise
+
+    def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance,
+                    params: dict[str, Any]) -> DecodeLeg:
+        s = self.settings
+        return DecodeLeg(self.session, self.pool, d, req.path, decode_body(req, params),
+                         {**ctx.headers, "X-Request-Id": params["transfer_id"]},
+                         connect_timeout_s=s.connect_timeout_s,
+                         first_byte_timeout_s=s.decode_first_byte_timeout_s,
+                         idle_timeout_s=s.decode_idle_timeout_s)
+
+    async def _open_decode(self, leg: DecodeLeg, req: ClientRequest, ctx: RequestContext,
+                           tid: str) -> None:
+        try:
+            await leg.open(req.stream)
+        except RouterError as exc:
+            self._failed(ctx, tid, exc)
+            raise
+        ctx.log.debug("transfer_id=%s: first byte from D %s", tid, leg.inst.url)
+
+    async def _relay(self, request: web.Request, req: ClientRequest, ctx: RequestContext,
+                     leg: DecodeLeg) -> tuple[web.StreamResponse, str]:
+        headers = {"Content-Type": leg.content_type}
+        if not req.stream:
+            return web.Response(status=leg.status, body=leg.first, headers=headers), "ok"
+        headers["Cache-Control"] = "no-cache"
+        resp = web.StreamResponse(status=leg.status, headers=headers)
+        outcome = "ok"
+        try:
+            await resp.prepare(request)
+            self.metrics.ttft.labels(req.mode).observe(time.monotonic() - ctx.arrived)
+            await resp.write(leg.first)
+            try:
+                async for chunk in leg.chunks():
+                    await resp.write(chunk)
+            except (UpstreamFailed, UpstreamTimeout) as exc:
+                # Too late for a status code: end the stream with an error event, as vLLM does.
+                self._failed(ctx, leg.transfer_id, exc)
+                outcome = "upstream_error"
+                await resp.write(sse_error_event(exc))
+            await resp.write_eof()
+        except ConnectionResetError:  # the client closed the stream; the caller closes the legs
+            self.metrics.failures.labels("client_disconnected").inc()
+            ctx.log.info("client closed the stream; cancelling every leg")
+            outcome = "cancelled"
+        return resp, outcome

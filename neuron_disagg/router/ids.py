@@ -1,0 +1,52 @@
+"""Request ids (the ``X-Request-Id`` a client sees) and transfer ids (what P and D share).
+
+The connector names a transfer ``f"{request}#{attempt}"`` (``TransferId.__str__`` in
+``protocol/messages.py``); these helpers build and read that string form for the router.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+
+from ..protocol.messages import TransferId
+
+# A client's X-Request-Id is echoed and logged, so it must be short and printable; '#' is excluded
+# because it separates the attempt in a transfer id.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def request_id_from_header(value: str | None) -> tuple[str, bool]:
+    """The request id for a response: the client's ``X-Request-Id`` if usable, else a new one.
+
+    Returns ``(request_id, from_client)``.
+    """
+    if value and _CLIENT_ID.fullmatch(value):
+        return value, True
+    return new_request_id(), False
+
+
+def transfer_base(request_id: str, from_client: bool) -> str:
+    """The ``request`` half of every transfer id of one client request.
+
+    A client may reuse an ``X-Request-Id`` for concurrent requests; two transfers with the same id
+    would fence each other on P and D (invariant I1), so a client's id gets a random suffix.
+    """
+    return f"{request_id}.{secrets.token_hex(4)}" if from_client else request_id
+
+
+def format_transfer_id(request: str, attempt: int) -> str:
+    return str(TransferId(request, attempt))
+
+
+def parse_transfer_id(value: str) -> TransferId:
+    """Reads ``"<request>#<attempt>"`` back; raises ValueError naming the expected form."""
+    request, sep, attempt = value.rpartition("#")
+    if not sep or not request or not attempt.isdigit():
+        raise ValueError(f"transfer id {value!r} is not of the form '<request>#<attempt>'")
+    return TransferId(request, int(attempt))

@@ -1,0 +1,188 @@
+"""The P and D instances behind the router, and the router's live view of each one's load.
+
+``cli.py`` parses ``--prefill``/``--decode`` specs with ``parse_instance_spec``; the admin
+endpoints add and remove instances at runtime; ``health.py`` flips ``healthy`` and fills
+``engine``; ``flows.py`` picks instances through ``InstancePool.pick`` and holds a ``lease`` on
+each one for the length of a leg, which is what the load-based choice counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from yarl import URL
+
+from .errors import Conflict, NoInstance, NotFound
+from .selection import pick_decode, pick_prefill
+
+Role = Literal["prefill", "decode"]
+SPEC_FORM = "URL[,side_channel=HOST:PORT][,tp=N], e.g. http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8"
+
+
+class InstanceSpecError(ValueError):
+    """An instance spec or admin request is malformed; the message shows the accepted form."""
+
+
+@dataclass
+class EngineLoad:
+    """What a D's own /metrics said at ``at`` (monotonic seconds)."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float | None
+    at: float
+
+
+@dataclass(eq=False)
+class Instance:
+    role: Role
+    url: str
+    side_channel: str
+    tp: int = 1
+    healthy: bool = True
+    failed_checks: int = 0
+    in_flight: int = 0          # legs this router has open on the instance
+    prompt_tokens: int = 0      # P only: estimated prompt tokens of those legs
+    last_picked: int = 0        # pick sequence number: ties go to the one picked longest ago
+    engine: EngineLoad | None = None
+    removed: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "url": self.url, "healthy": self.healthy,
+                               "in_flight": self.in_flight}
+        if self.role == "prefill":
+            out.update(side_channel=self.side_channel, tp=self.tp, prompt_tokens=self.prompt_tokens)
+        if self.engine is not None:
+            out["engine"] = {"running": self.engine.running, "waiting": self.engine.waiting,
+                             "kv_cache_usage": self.engine.kv_cache_usage}
+        return out
+
+
+def _normalise_url(url: str) -> URL:
+    try:
+        parsed = URL(url.strip())
+    except (ValueError, TypeError) as exc:
+        raise InstanceSpecError(f"{url!r} is not a URL ({exc}); expected {SPEC_FORM}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InstanceSpecError(f"{url!r} must be an http:// or https:// URL with a host; "
+                                f"expected {SPEC_FORM}")
+    return parsed.with_path(parsed.path.rstrip("/")).with_query(None).with_fragment(None)
+
+
+def _check_side_channel(value: str) -> str:
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InstanceSpecError(f"side_channel {value!r} must be HOST:PORT with a port in 1..65535")
+    return value.strip()
+
+
+def make_instance(role: str, url: str, side_channel: str | None, tp: int | str | None,
+                  default_side_channel_port: int) -> Instance:
+    """Validates one instance description (from a spec or the admin endpoint)."""
+    if role not in ("prefill", "decode"):
+        raise InstanceSpecError(f"role must be 'prefill' or 'decode', got {role!r}")
+    parsed = _normalise_url(url)
+    if side_channel is None:
+        host = f"[{parsed.host}]" if ":" in (parsed.host or "") else parsed.host
+        side_channel = f"{host}:{default_side_channel_port}"
+    try:
+        tp_size = 1 if tp is None else int(tp)
+    except (TypeError, ValueError):
+        tp_size = 0
+    if tp_size < 1 or isinstance(tp, bool):
+        raise InstanceSpecError(f"tp must be a positive integer, got {tp!r}")
+    return Instance(role, str(parsed), _check_side_channel(side_channel), tp_size)  # type: ignore[arg-type]
+
+
+def parse_instance_spec(role: str, spec: str, default_side_channel_port: int) -> Instance:
+    """``http://h:8100[,side_channel=h:5600][,tp=2]``; side_channel defaults to the URL's host and
+    the deployment config's ``side_channel_port``."""
+    url, *options = [part.strip() for part in spec.split(",")]
+    values: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in ("side_channel", "tp") or key in values:
+            raise InstanceSpecError(f"bad option {option!r} in --{role} {spec!r}; expected {SPEC_FORM}")
+        values[key] = value
+    return make_instance(role, url, values.get("side_channel"), values.get("tp"),
+                         default_side_channel_port)
+
+
+@dataclass
+class InstancePool:
+    """Every instance by URL. Single event loop: no locks; mutations never await."""
+
+    on_change: Callable[[Instance], None] = lambda inst: None   # metrics hook
+    on_remove: Callable[[Instance], None] = lambda inst: None
+    _by_url: dict[str, Instance] = field(default_factory=dict)
+    _picks: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def add(self, inst: Instance) -> Instance:
+        if inst.url in self._by_url:
+            raise Conflict(f"{inst.url} is already a {self._by_url[inst.url].role} instance; "
+                           "remove it first to change it", code="instance_exists")
+        self._by_url[inst.url] = inst
+        self.on_change(inst)
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        """Stops new legs going to ``url``; legs already open on it run to their end."""
+        try:
+            key = str(_normalise_url(url))
+        except InstanceSpecError:
+            key = url
+        inst = self._by_url.pop(key, None)
+        if inst is None:
+            raise NotFound(f"no instance {url!r}; known: {sorted(self._by_url)}", code="unknown_instance")
+        inst.removed = True
+        self.on_remove(inst)
+        return inst
+
+    def all(self) -> list[Instance]:
+        return list(self._by_url.values())
+
+    def healthy(self, role: Role) -> list[Instance]:
+        return [i for i in self._by_url.values() if i.role == role and i.healthy]
+
+    def pick(self, role: Role, now: float, *, exclude: frozenset[Instance] = frozenset(),
+             metrics_stale_s: float = 30.0, kv_cache_full_fraction: float = 0.95) -> Instance:
+        """The least loaded healthy instance of ``role`` not in ``exclude``; NoInstance if none."""
+        candidates = [i for i in self.healthy(role) if i not in exclude]
+        if not candidates:
+            known = sum(1 for i in self._by_url.values() if i.role == role)
+            why = "all tried" if exclude and known else ("none healthy" if known else "none configured")
+            raise NoInstance(f"no {role} instance available ({why}; {known} known)",
+                             code=f"no_{role}_instance")
+        if role == "prefill":
+            chosen = pick_prefill(candidates)
+        else:
+            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction)
+        chosen.last_picked = next(self._picks)
+        return chosen
+
+    def set_health(self, inst: Instance, healthy: bool) -> bool:
+        """Returns True if this changed the instance's state."""
+        changed = inst.healthy != healthy
+        inst.healthy = healthy
+        if changed and not inst.removed:
+            self.on_change(inst)
+        return changed
+
+    @contextmanager
+    def lease(self, inst: Instance, prompt_tokens: int = 0) -> Iterator[Instance]:
+        """Counts one open leg (and its prompt tokens) against ``inst`` while the block runs."""
+        inst.in_flight += 1
+        inst.prompt_tokens += prompt_tokens
+        if not inst.removed:  # a removed instance keeps its open legs but loses its series
+            self.on_change(inst)
+        try:
+            yield inst
+        finally:
+            inst.in_flight -= 1
+            inst.prompt_tokens -= prompt_tokens
+            if not inst.removed:
+                self.on_change(inst)

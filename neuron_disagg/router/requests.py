@@ -1,0 +1,124 @@
+"""What a client asked for, checked once, and the two leg bodies built from it.
+
+``app.py`` calls ``parse_client_request`` on every /v1/completions and /v1/chat/completions body;
+``flows.py`` calls ``prefill_body`` and ``decode_body`` for each attempt. The
+``kv_transfer_params`` built here are the contract with the vLLM connector.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadRequest
+from .settings import Mode
+
+# P's answer is discarded, so P generates one token and does not stream; options that only make
+# sense with streaming or with more tokens would make vLLM refuse P's leg.
+_PREFILL_DROPS = ("stream_options", "min_tokens")
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    path: str                    # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]         # the client's body without the router's own fields
+    mode: Mode
+    stream: bool
+    prompt_tokens: int           # estimate, for picking P
+
+
+def parse_client_request(path: str, raw: bytes, default_mode: Mode) -> ClientRequest:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}",
+                         code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("field 'model' is required and must be a non-empty string",
+                         code="missing_model")
+    mode = body.pop("disagg_mode", default_mode)
+    if mode not in ("push", "pull"):
+        raise BadRequest(f"field 'disagg_mode' must be 'push' or 'pull', got {mode!r}",
+                         code="invalid_disagg_mode")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"field 'stream' must be true or false, got {stream!r}", code="invalid_stream")
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("field 'messages' is required and must be a non-empty list",
+                             code="missing_messages")
+        tokens = _chat_tokens(messages)
+    else:
+        if "prompt" not in body:
+            raise BadRequest("field 'prompt' is required", code="missing_prompt")
+        tokens = _prompt_tokens(body["prompt"])
+    return ClientRequest(path, body, mode, stream, tokens)
+
+
+def _text_tokens(text: str) -> int:
+    return len(text) // 4  # ~4 characters per token; only the relative load matters
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("field 'prompt' must not be empty", code="missing_prompt")
+        return _text_tokens(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            return sum(_text_tokens(p) for p in prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return sum(len(p) for p in prompt)
+    raise BadRequest("field 'prompt' must be a non-empty string, list of strings, list of token "
+                     "ids, or list of token-id lists", code="invalid_prompt")
+
+
+def _chat_tokens(messages: list[Any]) -> int:
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'",
+                             code="invalid_messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += _text_tokens(content)
+        elif isinstance(content, list):  # content parts: count the text ones
+            total += sum(_text_tokens(p.get("text", "")) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+        total += 4  # role and template tokens
+    return total
+
+
+def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str) -> dict[str, Any]:
+    body = {k: v for k, v in req.body.items() if k not in _PREFILL_DROPS}
+    body.update(max_tokens=1, stream=False)
+    if "max_completion_tokens" in body:  # vLLM prefers it over max_tokens for chat
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = {"neuron_disagg": 1, "role": "prefill", "mode": mode,
+                                  "transfer_id": transfer_id}
+    return body
+
+
+def decode_body(req: ClientRequest, params: dict[str, Any]) -> dict[str, Any]:
+    """The client's body unchanged but for ``kv_transfer_params`` (a client's own are replaced:
+    they steer the connector, so only the router may set them)."""
+    return {**req.body, "kv_transfer_params": params}
+
+
+def push_decode_params(transfer_id: str, p_side_channel: str, p_tp: int) -> dict[str, Any]:
+    return {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": transfer_id,
+            "p_side_channel": p_side_channel, "p_tp_size": p_tp}
+
+
+def pull_decode_params(transfer_id: str, p_params: dict[str, Any]) -> dict[str, Any]:
+    """P's returned ``kv_transfer_params`` pass through verbatim (and win on a clash)."""
+    return {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": transfer_id,
+            **p_params}

@@ -1,0 +1,90 @@
+"""Starts and stops one router: the aiohttp server, its upstream client session and its health
+monitor. ``cli.py`` calls ``start_router`` and waits for a signal; tests call it with port 0 and
+read ``RunningRouter.url``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from .app import STATE, build_app
+from .flows import Flows
+from .health import HealthMonitor
+from .instances import Instance, InstancePool
+from .metrics import RouterMetrics
+from .settings import RouterSettings
+
+
+@dataclass
+class RunningRouter:
+    url: str                 # e.g. "http://127.0.0.1:43121"
+    app: web.Application
+    pool: InstancePool
+    metrics: RouterMetrics
+    _runner: web.AppRunner
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The router's upstream session (tests read its connector to count open sockets)."""
+        session = self.app[STATE].session
+        assert session is not None
+        return session
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    """Lives as long as the app: one pooled client session for every leg, and the health loop."""
+    state = app[STATE]
+    s = state.settings
+    connector = aiohttp.TCPConnector(limit=s.upstream_connection_limit, limit_per_host=0)
+    # No total timeout on the session: each leg sets its own (a stream may last many minutes).
+    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
+        total=None, sock_connect=s.connect_timeout_s))
+    state.session = session
+    state.flows = Flows(state.pool, session, s, state.metrics)
+    state.health = HealthMonitor(state.pool, session, s)
+    await state.health.check_all()  # eject what is down before the first request
+    health_task = asyncio.create_task(state.health.run(), name="router-health")
+    try:
+        yield
+    finally:
+        health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health_task
+        await session.close()
+        state.session = state.flows = state.health = None
+
+
+async def start_router(settings: RouterSettings, instances: Iterable[Instance] = (), *,
+                       host: str = "127.0.0.1", port: int = 0, side_channel_port: int = 5600,
+                       registry: CollectorRegistry | None = None,
+                       shutdown_timeout_s: float = 10.0) -> RunningRouter:
+    """Serves on ``host:port`` (0: any free port) until ``close()``; open streams get up to
+    ``shutdown_timeout_s`` to finish on close."""
+    metrics = RouterMetrics(registry)
+    pool = InstancePool(on_change=metrics.instance_changed, on_remove=metrics.instance_removed)
+    for inst in instances:
+        pool.add(inst)
+    app = build_app(settings, pool, metrics, side_channel_port)
+    app.cleanup_ctx.append(_upstream)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes both legs.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_host, bound_port = runner.addresses[0][:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return RunningRouter(f"http://{shown}:{bound_port}", app, pool, metrics, runner)

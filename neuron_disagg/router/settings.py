@@ -1,0 +1,53 @@
+"""The router's own knobs, validated once at startup.
+
+``cli.py`` builds a ``RouterSettings`` from flags (defaults below); tests build one directly. The
+deployment ``Config`` (``--config``, shared with the instances) supplies the default mode and the
+side-channel port; router knobs are not put in that file because ``Config`` forbids unknown keys
+and every instance reads the same file.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import ConfigError
+
+Mode = Literal["push", "pull"]
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = Field("push", description="how KV moves, unless a request says `disagg_mode`")
+    api_key: str | None = Field(None, min_length=1, repr=False,
+                                description="clients must send `Authorization: Bearer <key>`")
+    connect_timeout_s: float = Field(5.0, gt=0, le=600, description="TCP connect to an instance")
+    prefill_timeout_s: float = Field(300.0, gt=0, le=86400,
+                                     description="whole P leg: send, prefill, answer")
+    decode_first_byte_timeout_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="D leg sent -> first body byte (streaming) or whole answer (non-streaming)")
+    decode_idle_timeout_s: float = Field(300.0, gt=0, le=86400,
+                                         description="longest gap between two chunks of D's stream")
+    health_interval_s: float = Field(5.0, gt=0, le=3600, description="GET /health on every instance")
+    health_timeout_s: float = Field(2.0, gt=0, le=600, description="one health check")
+    health_failures_to_eject: int = Field(1, ge=1, le=100,
+                                          description="consecutive failed checks before ejection")
+    metrics_stale_s: float = Field(30.0, gt=0, le=3600,
+                                   description="ignore a D's scraped /metrics older than this")
+    kv_cache_full_fraction: float = Field(0.95, gt=0, le=1.0,
+                                          description="a D above this KV usage is picked last")
+    prefill_retries: int = Field(1, ge=0, le=5, description="P legs retried on another P")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    upstream_connection_limit: int = Field(0, ge=0, description="0: unlimited")
+
+    @classmethod
+    def build(cls, **values: object) -> "RouterSettings":
+        """Validates ``values``; raises ConfigError naming each bad field and what it accepts."""
+        try:
+            return cls.model_validate({k: v for k, v in values.items() if v is not None})
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            raise ConfigError("invalid router settings:\n" + "\n".join(lines)) from None

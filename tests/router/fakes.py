@@ -1,0 +1,186 @@
+"""Scripted stand-ins for vLLM prefill and decode instances: real aiohttp servers on 127.0.0.1
+that speak the OpenAI completions API, record what they were sent (``kv_transfer_params``,
+headers, when it arrived and ended, whether the router hung up) and can be told to fail, hang,
+hold, or die.
+
+``KvBoard`` stands in for the KV transfer: a fake P marks a transfer id ready when it finishes;
+a fake D in push mode waits for that mark before its first token, like the real connector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+class KvBoard:
+    def __init__(self) -> None:
+        self.ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+
+@dataclass
+class Received:
+    path: str
+    body: dict[str, Any]
+    headers: Any  # case-insensitive
+    at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    cancelled: bool = False
+    chunks_sent: int = 0
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.body.get("kv_transfer_params") or {}
+
+    @property
+    def transfer_id(self) -> str | None:
+        return self.params.get("transfer_id")
+
+
+class FakeVllm:
+    def __init__(self, role: str, board: KvBoard, name: str = ""):
+        self.role, self.board, self.name = role, board, name or role
+        self.requests: list[Received] = []
+        self.active = 0  # completion handlers running now
+        self.other: list[tuple[str, Any]] = []  # (path, headers) of non-completion calls
+        # Behaviour, changed by tests while the server runs:
+        self.hold: asyncio.Event | None = None   # completions wait for it before anything else
+        self.fail_status: int | None = None      # then answer with this status
+        self.hang = False                        # or never answer
+        self.wait_for_kv = True                  # D in push mode: wait for P's mark
+        self.chunks = 3                          # D: streamed text chunks before [DONE]
+        self.chunk_gate: asyncio.Queue | None = None  # D: one item per chunk after the first
+        self.chunk_interval_s = 0.0              # D: simulated time per decoded token
+        self.stream_then_die_after: int | None = None  # D: break the connection after N chunks
+        self.omit_kv_params = False              # P in pull mode: answer without them
+        self.health_ok = True
+        self.running, self.waiting, self.kv_usage = 0, 0, 0.0  # what /metrics says
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pull_params(self) -> dict[str, Any]:
+        return {"remote_engine_id": f"engine-{self.name}", "remote_block_ids": [3, 4, 5],
+                "offer": {"expires_at": 123.5, "ranks": [{"tp_rank": 0}]}}
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> "FakeVllm":
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        """Dies: the port refuses connections until ``start`` again (same port)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- endpoints --------------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rec = Received(request.path, body, request.headers.copy())
+        self.requests.append(rec)
+        self.active += 1
+        try:
+            return await self._answer(request, rec)
+        except asyncio.CancelledError:
+            rec.cancelled = True
+            raise
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, rec: Received) -> web.StreamResponse:
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.fail_status is not None:
+            return web.json_response({"object": "error", "message": f"{self.name} failed on purpose",
+                                      "code": self.fail_status}, status=self.fail_status)
+        if self.hang:
+            await asyncio.Event().wait()
+        tid = rec.transfer_id or ""
+        if self.role == "prefill":
+            self.board.ready[tid].set()
+            rec.finished_at = time.monotonic()
+            answer = _completion(rec, "P", self.name)
+            pull = rec.params.get("mode") == "pull"
+            answer["kv_transfer_params"] = self.pull_params() if pull and not self.omit_kv_params else None
+            return web.json_response(answer)
+        if rec.params.get("mode") == "push" and self.wait_for_kv:
+            await self.board.ready[tid].wait()
+        if not rec.body.get("stream"):
+            rec.finished_at = time.monotonic()
+            return web.json_response(_completion(rec, "hello world", self.name))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            if i and self.chunk_gate is not None:
+                await self.chunk_gate.get()
+            if i and self.chunk_interval_s:
+                await asyncio.sleep(self.chunk_interval_s)  # decode time, not a wait for a state
+            if self.stream_then_die_after is not None and i == self.stream_then_die_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            chunk = _completion(rec, f"tok{i} ", self.name)
+            if i == 0:
+                chunk["x_service_s"] = time.monotonic() - rec.at  # for the load test
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            rec.chunks_sent += 1
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        rec.finished_at = time.monotonic()
+        return resp
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.health_ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        labels = '{engine="0",model_name="fake-model"}'
+        text = (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {self.running}\n"
+                f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{labels} {self.waiting}\n"
+                f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{labels} {self.kv_usage}\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.other.append((request.path, request.headers.copy()))
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        self.other.append((request.path, request.headers.copy()))
+        body = await request.json()
+        if request.path == "/tokenize":
+            tokens = list(range(len(body.get("prompt", "").split())))
+            return web.json_response({"tokens": tokens, "count": len(tokens), "served_by": self.name})
+        return web.json_response({"prompt": " ".join(map(str, body.get("tokens", []))),
+                                  "served_by": self.name})
+
+
+def _completion(rec: Received, text: str, name: str) -> dict[str, Any]:
+    if rec.path.endswith("/chat/completions"):
+        return {"id": "chatcmpl-1", "object": "chat.completion", "model": rec.body.get("model"),
+                "served_by": name, "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                        "content": text},
+                                                "finish_reason": "length"}]}
+    return {"id": "cmpl-1", "object": "text_completion", "model": rec.body.get("model"),
+            "served_by": name, "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}

@@ -1,0 +1,145 @@
+"""What the router does when a leg fails, hangs, or the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .conftest import cluster, completion, until
+
+
+def _metric(c, name: str, **labels: str) -> float:
+    value = c.router.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+async def test_prefill_failure_cancels_decode_leg_and_retries_on_another_prefill():
+    async with cluster(prefill=2, decode=1, mode="push") as c:
+        p0, p1 = c.prefills
+        d = c.decodes[0]
+        p0.hold, p0.fail_status = asyncio.Event(), 500  # the first pick (ties go in list order)
+        task = asyncio.create_task(c.post("/v1/completions", completion()))
+        await until(lambda: p0.requests and d.requests, "attempt 0 to reach P0 and D")
+        p0.hold.set()  # now P0 fails, while D waits for KV under attempt 0
+        status, headers, answer = await task
+        assert status == 200, answer
+        assert answer["served_by"] == "d0"
+        t0, t1 = p0.requests[0].transfer_id, p1.requests[0].transfer_id
+        base = t0.rpartition("#")[0]
+        assert t0 == f"{base}#0" and t1 == f"{base}#1"
+        assert [r.transfer_id for r in d.requests] == [t0, t1]
+        assert d.requests[1].params["p_side_channel"] == "127.0.0.1:5601"
+        assert d.requests[1].params["p_tp_size"] == 2
+        await until(lambda: d.requests[0].cancelled, "D to see attempt 0's leg closed")
+        assert not d.requests[1].cancelled
+        assert _metric(c, "neuron_disagg_router_retries_total", mode="push", reason="prefill_error") == 1
+        assert _metric(c, "neuron_disagg_router_failures_total", reason="prefill_error") == 1
+
+
+async def test_prefill_failing_twice_is_an_openai_error_and_every_decode_leg_is_closed():
+    async with cluster(prefill=3, decode=1, mode="push") as c:
+        for p in c.prefills:
+            p.fail_status = 500
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 502
+        assert answer["error"]["code"] == "prefill_error"
+        assert answer["error"]["type"] == "upstream_error"
+        assert "answered 500" in answer["error"]["message"]
+        assert sum(len(p.requests) for p in c.prefills) == 2  # one retry, not more
+        await until(lambda: all(c.instance(d).in_flight == 0 for d in c.decodes), "D legs released")
+        for rec in c.decodes[0].requests:  # each D leg that got through was closed, not answered
+            assert rec.finished_at is None
+
+
+async def test_unreachable_prefill_is_ejected_and_the_request_retried():
+    async with cluster(prefill=2, decode=1, mode="push") as c:
+        await c.prefills[0].stop()
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200, answer
+        assert c.prefills[1].requests[0].transfer_id.endswith("#1")
+        assert not c.instance(c.prefills[0]).healthy
+        status, _, _ = await c.post("/v1/completions", completion())
+        assert status == 200 and c.prefills[1].requests[1].transfer_id.endswith("#0")
+
+
+async def test_only_prefill_failing_is_its_own_error_not_a_503():
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        c.prefills[0].fail_status = 500
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 502 and answer["error"]["code"] == "prefill_error"
+        assert len(c.prefills[0].requests) == 1
+
+
+async def test_prefill_timeout_is_a_504_without_retry_and_closes_the_decode_leg():
+    async with cluster(prefill=2, decode=1, mode="push", prefill_timeout_s=0.3) as c:
+        c.prefills[0].hang = True
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 504 and answer["error"]["code"] == "prefill_timeout"
+        assert not c.prefills[1].requests  # a retry would double the wait
+        await until(lambda: c.prefills[0].requests[0].cancelled and c.decodes[0].requests[0].cancelled,
+                    "both legs to be closed")
+
+
+async def test_prefill_4xx_is_relayed_without_retry():
+    async with cluster(prefill=2, decode=1, mode="push") as c:
+        c.prefills[0].fail_status = 400
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 400 and answer["message"] == "p0 failed on purpose"
+        assert not c.prefills[1].requests
+
+
+async def test_pull_prefill_failure_retries_with_the_next_attempt():
+    async with cluster(prefill=2, decode=1, mode="pull") as c:
+        c.prefills[0].fail_status = 503
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200, answer
+        assert c.prefills[0].requests[0].transfer_id.endswith("#0")
+        tid = c.prefills[1].requests[0].transfer_id
+        assert tid.endswith("#1") and [r.transfer_id for r in c.decodes[0].requests] == [tid]
+
+
+async def test_decode_failures_are_openai_errors_with_a_reason():
+    async with cluster(prefill=1, decode=1, mode="push", decode_first_byte_timeout_s=0.3) as c:
+        d = c.decodes[0]
+        for fail_status, want_status, want_code in ((500, 502, "decode_error"),
+                                                    (503, 503, "decode_error")):
+            d.fail_status = fail_status
+            status, headers, answer = await c.post("/v1/completions", completion())
+            assert status == want_status, answer
+            assert answer["error"]["code"] == want_code and "X-Request-Id" in headers
+            assert set(answer["error"]) == {"message", "type", "code"}
+        d.fail_status, d.hang = None, True
+        status, _, answer = await c.post("/v1/completions", completion(stream=True))
+        assert status == 504 and answer["error"]["code"] == "decode_timeout"
+        assert answer["error"]["type"] == "timeout_error"
+        await until(lambda: d.requests[-1].cancelled, "the hung D leg to be closed")
+        await d.stop()
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 502 and answer["error"]["code"] == "decode_unreachable"
+        assert _metric(c, "neuron_disagg_router_requests_total", mode="push", outcome="timeout") == 1
+
+
+async def test_client_disconnect_cancels_both_legs():
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        p, d = c.prefills[0], c.decodes[0]
+        p.hold = asyncio.Event()  # P never finishes; D waits for its KV
+        task = asyncio.create_task(c.post("/v1/completions", completion(stream=True)))
+        await until(lambda: p.requests and d.requests, "both legs to arrive")
+        task.cancel()  # the client hangs up
+        await until(lambda: p.requests[0].cancelled and d.requests[0].cancelled,
+                    "P and D to see their legs closed")
+        await until(lambda: all(i.in_flight == 0 and i.prompt_tokens == 0 for i in c.router.pool.all()),
+                    "the router's leases to be released")
+        await until(lambda: _metric(c, "neuron_disagg_router_requests_total", mode="push",
+                                    outcome="cancelled") == 1, "the request counted as cancelled")
+
+
+async def test_client_disconnect_mid_stream_closes_the_decode_leg():
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        d = c.decodes[0]
+        d.chunks, d.chunk_gate = 5, asyncio.Queue()
+        resp = await c.client.post(c.url + "/v1/completions", json=completion(stream=True))
+        assert resp.status == 200
+        assert (await asyncio.wait_for(resp.content.readline(), 5)).startswith(b"data: ")
+        resp.close()  # hang up after the first chunk
+        await until(lambda: d.requests[0].cancelled, "D to see the stream closed")
+        await until(lambda: c.instance(d).in_flight == 0, "the D lease to be released")
