@@ -114,3 +114,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push") -> Instance:
+    """The push-aware router over (P url, P side-channel port) pairs and D urls."""
+    command = [sys.executable, "-m", "neuron_disagg.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--mode", mode]
+    for url, side_port in prefill:
+        command += ["--prefill", f"{url},side_channel=127.0.0.1:{side_port}"]
+    for url in decode:
+        command += ["--decode", url]
+    return Instance("router", command, port, cpu="0")

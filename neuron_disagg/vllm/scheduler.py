@@ -41,13 +41,24 @@ class SchedulerSide:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.legs: dict[str, Leg] = {}
+        self.rejected = 0  # requests whose kv_transfer_params we could not honour
         self._step = StepMetadata()
 
     def _leg(self, request) -> Leg | None:
         leg = self.legs.get(request.request_id)
         if leg is None:
-            parsed = leg_params.parse(getattr(request, "kv_transfer_params", None))
+            try:
+                parsed = leg_params.parse(getattr(request, "kv_transfer_params", None))
+            except leg_params.BadTransferParams as exc:  # never raise on the engine loop
+                self.rejected += 1
+                log.warning("request %s runs without disaggregation: %s", request.request_id, exc)
+                return None
             if parsed is None:
+                return None
+            if parsed.mode == "pull":
+                self.rejected += 1
+                log.warning("request %s asks for pull mode, which this connector serves only in push "
+                            "mode so far; it runs without disaggregation", request.request_id)
                 return None
             state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
             leg = self.legs[request.request_id] = Leg(request.request_id, parsed, state)
@@ -59,8 +70,6 @@ class SchedulerSide:
         leg = self._leg(request)
         if leg is None or leg.params.role != "decode" or leg.state is not LegState.WAITING_FOR_BLOCKS:
             return 0, False  # not ours, or a retry after a failed load: compute locally
-        if leg.params.mode == "pull":
-            raise leg_params.BadTransferParams("pull mode through vLLM is not available yet; use push")
         if not leg.announced:  # from now on the worker heartbeats P, keeping P's lease alive
             self._step.expect.append((leg.params.transfer_id, leg.params.p_side_channel, leg.params.p_tp_size))
             leg.announced = True

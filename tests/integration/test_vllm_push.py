@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import secrets
 import time
 
@@ -15,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg import tiny_model  # noqa: E402
-from neuron_disagg.local_cluster import disaggregated, free_port, monolithic  # noqa: E402
+from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router  # noqa: E402
 
 pytestmark = pytest.mark.integration
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 8, "max_write_s": 3,
@@ -54,6 +55,15 @@ def cluster():
     finally:
         for instance in c.all():
             instance.stop()
+
+
+@pytest.fixture(scope="module")
+def routed(cluster):
+    instance = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port()).start()
+    try:
+        yield instance.wait_ready(60)
+    finally:
+        instance.stop()
 
 
 def prompt(words: int, seed: int) -> str:
@@ -197,3 +207,28 @@ def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluste
     assert kv_usage(cluster.p) > 0  # held for a decode that never comes
     waited = wait_for(lambda: kv_usage(cluster.p) == 0.0, TIMEOUTS["lease_s"] + 5, "P's lease expiry")
     assert waited <= TIMEOUTS["lease_s"] + 5
+
+
+def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed):
+    async def scenario():
+        texts = [prompt(30, 21), prompt(400, 22), prompt(75, 23)]
+        async with httpx.AsyncClient(timeout=120) as client:
+            want = [await reference(cluster, client, t, 20) for t in texts]
+            plain = await asyncio.gather(*(client.post(f"{routed.url}/v1/completions", json=body(t, 20))
+                                           for t in texts))
+            streamed = []
+            for t in texts:
+                chunks = []
+                async with client.stream("POST", f"{routed.url}/v1/completions",
+                                         json=body(t, 20, stream=True)) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            chunks.append(json.loads(line[6:])["choices"][0]["text"])
+                streamed.append("".join(chunks))
+        return want, [r.json()["choices"][0]["text"] for r in plain], streamed
+
+    want, plain, streamed = run(scenario())
+    assert plain == want
+    assert streamed == want
+    blocks_back(cluster)
