@@ -16,16 +16,20 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="neuron-disagg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the push protocol end to end and print each request's timeline")
-    demo.add_argument("--in-process", action="store_true", default=True,
-                      help="one process, in-memory transport (the only demo until the vLLM connector lands)")
-    demo.add_argument("--prefill-ms", type=float, default=20.0, help="simulated prefill time per request")
+    demo = sub.add_parser("demo", help="P, D and the router on 127.0.0.1 with a tiny model: push mode end to end")
+    demo.add_argument("--in-process", action="store_true",
+                      help="instead: the protocol core alone in one process over an in-memory transport, "
+                           "with each request's timeline")
+    demo.add_argument("--prefill-ms", type=float, default=20.0, help="--in-process: simulated prefill time")
     sub.add_parser("router", help="push-aware OpenAI-compatible proxy (see `neuron-disagg router --help`)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
+    if args.command == "demo" and args.in_process:
         from .demo_core import run_demo
         return run_demo(prefill_ms=args.prefill_ms)
+    if args.command == "demo":
+        from .demo_vllm import run_demo
+        return run_demo()
     return 2
 
 
