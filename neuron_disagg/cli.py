@@ -11,6 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["router"]:  # the router parses its own flags
         from .router.cli import main as router_main
         return router_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from .sim.cli import main as simulate_main
+        return simulate_main(argv[1:])
+    if argv[:1] and argv[0] in ("launch", "status", "teardown"):
+        from .deploy.cli import main as deploy_main
+        return deploy_main(argv)
     if argv[:1] == ["serve"]:  # passes everything after `--` to `vllm serve`
         from .vllm.serve import main as serve_main
         return serve_main(argv[1:])
@@ -22,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                            "with each request's timeline")
     demo.add_argument("--prefill-ms", type=float, default=20.0, help="--in-process: simulated prefill time")
     sub.add_parser("router", help="push-aware OpenAI-compatible proxy (see `neuron-disagg router --help`)")
+    sub.add_parser("simulate", help="discrete-event model of push vs pull serving (see `neuron-disagg simulate --help`)")
+    for name in ("launch", "status", "teardown"):
+        sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:
