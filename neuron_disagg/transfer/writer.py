@@ -37,6 +37,7 @@ class PushWriter(TransferThread):
         self.core, self.transport, self.codec = core, transport, codec
         self.on_free = on_free
         self.stats: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(("peer_ready", agent, error)),
                                self.stats)
 
@@ -98,6 +99,7 @@ class PushWriter(TransferThread):
                 self.on_free(action.transfer_id, action.block_ids)
             elif isinstance(action, FailTransfer):
                 self.stats["failed"] += 1
+                self.failures[action.reason.split(":")[0]] += 1
                 log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
             elif isinstance(action, Transitioned):
                 self._log_transition(action)

@@ -10,14 +10,17 @@ writes that for you.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..config import Config
-from .metadata import StepMetadata
-from .scheduler import SchedulerSide
+from ..protocol.wire import WireCodec
+from .metadata import RankHandshake, StepMetadata
+from .scheduler import OfferMaker, SchedulerSide
+from .stats import ConnectorPromMetrics, ConnectorStats
 from .worker import WorkerSide
 
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -32,8 +35,10 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         if transfer.kv_role not in _ROLES:
             raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
                              "or kv_consumer (decode)")
+        self._step_seconds = 0.0
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._engine_id = transfer.engine_id
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size)
         else:
@@ -64,6 +69,19 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Scheduler, after each step: what the workers finished sending or receiving."""
         self.scheduler_side.update_connector_output(connector_output)
 
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        """Scheduler, once after start-up: every worker's agent and regions, for pull offers."""
+        if self.scheduler_side is None or not metadata:
+            return
+        ranks = tuple(metadata[rank].rank_regions for rank in sorted(metadata))
+        self.scheduler_side.offers = OfferMaker(
+            WireCodec(self.config.load_secret(), self.config.max_message_bytes), self._engine_id,
+            self.config.side_channel, ranks, self.config.lease_s)
+
+    def get_handshake_metadata(self) -> RankHandshake | None:
+        """Worker, once after registering the KV caches: what the scheduler needs for pull offers."""
+        return self.worker_side.handshake() if self.worker_side is not None else None
+
     def has_pending_push_work(self) -> bool:
         """Scheduler: keep stepping while P holds blocks for the writer, so their frees are seen."""
         return self.scheduler_side.has_pending_push_work()
@@ -84,13 +102,35 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Worker, once per step after the forward: hand this step's work to the transfer threads."""
+        start = time.perf_counter()
         if self.has_connector_metadata():
             self.worker_side.hand_off(self._get_connector_metadata())
+        self._step_seconds = time.perf_counter() - start
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker, each step: requests whose blocks the threads released, loaded, or failed."""
+        start = time.perf_counter()
         sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
+        step = self._step_seconds + time.perf_counter() - start  # I5: what the engine loop paid us
+        self._step_seconds = 0.0
+        if sending or recving or self.has_connector_metadata():
+            self.worker_side.step_us.append(step * 1e6)
         return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_kv_connector_stats(self) -> ConnectorStats | None:
+        """Worker, each step: counters since the last call, for vLLM's stats and /metrics."""
+        data = self.worker_side.stats() if self.worker_side is not None else None
+        return ConnectorStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
+        """Logger process: rebuild worker stats sent as a plain dict."""
+        return ConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """API server process: the ``neuron_disagg_*`` series on vLLM's /metrics."""
+        return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)

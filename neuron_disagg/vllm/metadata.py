@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata, KVConnectorMetadata,
+)
 
-from ..protocol.messages import TransferId
+from ..protocol.messages import RankRegions, TransferId
 
 
 @dataclass
 class Registration:
-    """D, push: our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index``..."""
+    """D: our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index``..."""
 
     transfer_id: TransferId
     request_id: str
@@ -30,8 +32,19 @@ class StepMetadata(KVConnectorMetadata):
     register: list[Registration] = field(default_factory=list)
     # P, push: prefill finished -> (transfer id, request id, the prompt's blocks)
     kv_ready: list[tuple[TransferId, str, tuple[int, ...]]] = field(default_factory=list)
+    # P, pull: prefill finished and its blocks are offered -> (transfer id, request id, signed offer)
+    lend: list[tuple[TransferId, str, bytes]] = field(default_factory=list)
+    # D, pull: blocks allocated; read P's offer into them
+    read: list[tuple[Registration, bytes]] = field(default_factory=list)
     # either side: the request ended early -> (transfer id, role, reason)
     abort: list[tuple[TransferId, str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.expect or self.register or self.kv_ready or self.abort)
+        return bool(self.expect or self.register or self.kv_ready or self.lend or self.read or self.abort)
+
+
+@dataclass
+class RankHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: this rank's agent and KV regions (pull offers list them)."""
+
+    rank_regions: RankRegions

@@ -7,15 +7,33 @@ dictionary operations, so the engine loop never waits on a transfer (I5).
 
 from __future__ import annotations
 
+import base64
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
+
+from ..protocol.messages import PullOffer, RankRegions, TransferId
+from ..protocol.wire import WireCodec
 
 from . import params as leg_params
 from .metadata import Registration, StepMetadata
 
 log = logging.getLogger(__name__)
+
+
+class OfferMaker:
+    """P, pull mode: signed offers naming every P rank's agent and regions (from the handshake)."""
+
+    def __init__(self, codec: WireCodec, engine_id: str, side_channel: str, ranks: tuple[RankRegions, ...],
+                 lease_s: float):
+        self.codec, self.engine_id, self.side_channel = codec, engine_id, side_channel
+        self.ranks, self.lease_s = ranks, lease_s
+
+    def offer(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> bytes:
+        return self.codec.encode(PullOffer(transfer_id, self.engine_id, self.side_channel, len(self.ranks),
+                                           self.ranks, block_ids, time.time() + self.lease_s))
 
 
 class LegState(enum.Enum):
@@ -38,8 +56,9 @@ class Leg:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, offers: "OfferMaker | None" = None):
         self.block_size = block_size
+        self.offers = offers  # pull mode on P: None until the workers' handshake arrived
         self.legs: dict[str, Leg] = {}
         self.rejected = 0  # requests whose kv_transfer_params we could not honour
         self._step = StepMetadata()
@@ -55,11 +74,6 @@ class SchedulerSide:
                 return None
             if parsed is None:
                 return None
-            if parsed.mode == "pull":
-                self.rejected += 1
-                log.warning("request %s asks for pull mode, which this connector serves only in push "
-                            "mode so far; it runs without disaggregation", request.request_id)
-                return None
             state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
             leg = self.legs[request.request_id] = Leg(request.request_id, parsed, state)
         return leg
@@ -70,7 +84,7 @@ class SchedulerSide:
         leg = self._leg(request)
         if leg is None or leg.params.role != "decode" or leg.state is not LegState.WAITING_FOR_BLOCKS:
             return 0, False  # not ours, or a retry after a failed load: compute locally
-        if not leg.announced:  # from now on the worker heartbeats P, keeping P's lease alive
+        if not leg.announced and leg.params.mode == "push":  # the worker heartbeats P from now on
             self._step.expect.append((leg.params.transfer_id, leg.params.p_side_channel, leg.params.p_tp_size))
             leg.announced = True
         leg.local_hit_tokens = num_computed_tokens
@@ -83,7 +97,11 @@ class SchedulerSide:
         first = leg.local_hit_tokens // self.block_size
         prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
-        self._step.register.append(Registration(leg.params.transfer_id, request.request_id, block_ids, first))
+        registration = Registration(leg.params.transfer_id, request.request_id, block_ids, first)
+        if leg.params.mode == "push":
+            self._step.register.append(registration)
+        else:
+            self._step.read.append((registration, base64.b64decode(leg.params.offer)))
         leg.state = LegState.LOADING
 
     # -- both ------------------------------------------------------------------------------------------
@@ -94,9 +112,15 @@ class SchedulerSide:
         tid, status = leg.params.transfer_id, str(getattr(request, "status", ""))
         if leg.params.role == "prefill":
             if "ABORTED" not in status and "ERROR" not in status and block_ids:
-                self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
                 leg.state = LegState.HANDED_OFF
-                return True, None  # the writer frees them; we hear of it in finished_sending
+                if leg.params.mode == "push":
+                    self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
+                    return True, None  # the writer frees them; we hear of it in finished_sending
+                if self.offers is not None:
+                    frame = self.offers.offer(tid, tuple(block_ids))
+                    self._step.lend.append((tid, request.request_id, frame))
+                    return True, {"neuron_disagg": 1, "offer": base64.b64encode(frame).decode()}
+                log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
             self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))
             del self.legs[request.request_id]
             return False, None

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 
 from ..config import Config
 from ..platforms.kv_layout import regions_from_kv_caches
 from ..protocol.consumer import ConsumerCore
+from ..protocol.errors import MessageError
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, RankRegions, Registration, TransferId,
-    WriteDone, WriteFailed,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
+    Registration, TransferId, WriteDone, WriteFailed,
 )
 from ..protocol.producer import ProducerCore
+from ..protocol.pull import LenderCore, ReaderCore
 from ..protocol.wire import WireCodec
 from ..transfer.peers import Peers
+from ..transfer.pull import PullLender, PullReader
 from ..transfer.receiver import PushReceiver
 from ..transfer.side_channel import SideChannelClient, SideChannelServer
 from ..transfer.transport import NixlTransport
 from ..transfer.writer import PushWriter
-from .metadata import StepMetadata
+from .metadata import RankHandshake, StepMetadata
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,19 @@ class WorkerSide:
         self.agent_name = f"{engine_id}-rank{tp_rank}"
         self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
         self.thread: PushWriter | PushReceiver | None = None
+        self.pull: PullLender | PullReader | None = None
         self._lock = threading.Lock()
         self._request_of: dict[TransferId, str] = {}
         self._freed: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
         self._seen_finished: set[str] = set()
+        self._totals: Counter[str] = Counter()       # D-side outcomes, for metrics
+        self._failure_reasons: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()     # what earlier stats snapshots already sent
+        self._reported_failures: Counter[str] = Counter()
+        self._writes_reported = 0
+        self.step_us: list[float] = []               # connector time on the engine loop, per step
 
     # -- start-up ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -56,27 +67,40 @@ class WorkerSide:
         self.transport.register(self.regions)
         info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
                          tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
-        peers = Peers(self.transport, SideChannelClient(self.codec), self.address, f"{self.role}{self.tp_rank}")
+        self.rank_regions = RankRegions(self.tp_rank, self.agent_name, self.regions)
+
+        def peers(kind: str) -> Peers:
+            return Peers(self.transport, SideChannelClient(self.codec), self.address,
+                         f"{self.role}{self.tp_rank}-{kind}")
+
+        t = self.config
         if self.role == "prefill":
-            core = ProducerCore(self.regions, self.tp_rank, self.tp_size, self.config.producer_timeouts())
-            self.thread = PushWriter(core, self.transport, self.codec, peers, self._on_free)
-            accepts = (Registration, Heartbeat, Cancel)
+            core = ProducerCore(self.regions, self.tp_rank, self.tp_size, t.producer_timeouts())
+            self.thread = PushWriter(core, self.transport, self.codec, peers("push"), self._on_free)
+            self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.max_write_s, t.clock_skew_allowance_s,
+                                              t.tombstone_s), self.transport, self.codec, peers("pull"), self._on_free)
+            routes = {Registration: self.thread, Heartbeat: self.thread, Cancel: self.thread, ReadFailed: self.pull}
         else:
-            core = ConsumerCore(self.address, self.tp_rank, self.tp_size, self.config.consumer_timeouts())
-            self.thread = PushReceiver(core, self.transport, self.codec, peers, self._on_loaded,
+            core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts())
+            self.thread = PushReceiver(core, self.transport, self.codec, peers("push"), self._on_loaded,
                                        self._on_failed, self._on_free)
-            accepts = (WriteDone, WriteFailed, CancelAck)
+            self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s),
+                                   self.transport, self.codec, peers("pull"), self._on_loaded,
+                                   self._on_failed, self._on_free)
+            routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}
 
         def on_message(message):
             if isinstance(message, AgentInfoRequest):
                 return info
-            if isinstance(message, accepts):
-                self.thread.deliver(message)
+            thread = routes.get(type(message))
+            if thread is not None:
+                thread.deliver(message)
             return None
 
         self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port + self.tp_rank,
                                         self.codec, on_message, f"side-channel-{self.tp_rank}").start()
         self.thread.start()
+        self.pull.start()
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
                  self.role, self.tp_rank, len(self.regions), backend, self.server.address)
 
@@ -93,8 +117,26 @@ class WorkerSide:
                 reg.transfer_id, self.engine_id, reg.request_id, self.address, self.tp_size,
                 (RankRegions(self.tp_rank, self.agent_name, self.regions),), reg.block_ids,
                 reg.first_block_index, 0.0))
+        for tid, request_id, frame in step.lend:
+            self._request_of[tid] = request_id
+            self.pull.lend(self.codec.decode(frame))
+        for reg, frame in step.read:
+            self._request_of[reg.transfer_id] = reg.request_id
+            try:
+                offer = self.codec.decode(frame)
+                if not isinstance(offer, PullOffer) or offer.transfer_id != reg.transfer_id:
+                    raise MessageError("not the offer for this transfer")
+            except MessageError as exc:  # the request fails now instead of waiting for nothing
+                log.warning("request %s: prefill's offer rejected: %s", reg.request_id, exc)
+                self._totals["messages_rejected"] += 1
+                self._on_failed(reg.transfer_id, f"offer rejected: {exc}")
+                self._on_free(reg.transfer_id, reg.block_ids)
+                continue
+            self.pull.offered(offer)
+            self.pull.allocated(reg.transfer_id, self.rank_regions, reg.block_ids, reg.first_block_index)
         for tid, _role, reason in step.abort:
             self.thread.abort(tid, reason)
+            self.pull.abort(tid, reason)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
@@ -122,20 +164,56 @@ class WorkerSide:
                 self._freed.add(request_id)
 
     def _on_loaded(self, tid: TransferId) -> None:
+        self._totals["transfers"] += 1
         request_id = self._request(tid)
         if request_id is not None:
             with self._lock:
                 self._loaded.add(request_id)
 
     def _on_failed(self, tid: TransferId, reason: str) -> None:
+        self._totals["transfers_failed"] += 1
+        self._failure_reasons[reason.split(":")[0]] += 1
         request_id = self._request_of.get(tid)  # FreeBlocks follows and ends the mapping
         if request_id is not None:
             log.warning("request %s (transfer %s) gets no KV: %s", request_id, tid, reason)
             with self._lock:
                 self._failed.add(request_id)
 
+    # -- metrics -----------------------------------------------------------------------------------------
+    def stats(self) -> dict | None:
+        """What changed since the last call, as the plain dict ``stats.ConnectorStats`` carries."""
+        if self.thread is None:
+            return None
+        totals = Counter(self._totals)
+        failures = Counter(self._failure_reasons)
+        totals["messages_rejected"] += sum(self.server.rejected.values()) + sum(
+            getattr(self.thread, "rejected", {}).values())
+        totals["registrations_rejected"] = self.thread.core.counters["registration_rejected"]
+        write_ms: list[float] = []
+        if isinstance(self.thread, PushWriter):
+            t = self.thread.stats
+            totals.update({"transfers": t["done"], "transfers_failed": t["failed"], "bytes": t["bytes"],
+                           "descriptors": t["descriptors"]})
+            totals["registrations_rejected"] += t["registration_rejected"]
+            failures = Counter(self.thread.failures)
+            totals["lease_expiries"] = failures["lease expired"]
+            done = self.thread.writes.done_seconds
+            write_ms = [s * 1e3 for s in done[self._writes_reported:]]
+            self._writes_reported = len(done)
+        counts = {k: v - self._reported[k] for k, v in totals.items() if v - self._reported[k]}
+        new_failures = {k: v - self._reported_failures[k] for k, v in failures.items() if v - self._reported_failures[k]}
+        self._reported, self._reported_failures = totals, failures
+        step_us, self.step_us = self.step_us, []
+        if not (counts or new_failures or write_ms or step_us):
+            return None
+        return {"counts": counts, "failures": new_failures, "write_ms": write_ms, "step_us": step_us}
+
+    def handshake(self) -> RankHandshake:
+        return RankHandshake(self.rank_regions)
+
     def shutdown(self) -> None:
         if self.thread is not None:
+            self.pull.shutdown()
             self.thread.shutdown()
             self.server.close()
             self.transport.close()

@@ -232,3 +232,50 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
     assert plain == want
     assert streamed == want
     blocks_back(cluster)
+
+
+def _metric(instance, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_connector_metrics_appear_on_vllm_metrics(cluster):
+    want, got = run(_compare(cluster, [prompt(60, 31)]))
+    assert got == want
+    wait_for(lambda: _metric(cluster.p, "neuron_disagg_transfers_total") > 0, 30, "P's transfer counter")
+    wait_for(lambda: _metric(cluster.d, "neuron_disagg_transfers_total") > 0, 30, "D's transfer counter")
+    assert _metric(cluster.p, "neuron_disagg_bytes_total") > 0
+    assert _metric(cluster.p, "neuron_disagg_descriptors_total") > 0
+    assert _metric(cluster.p, "neuron_disagg_write_seconds_count") > 0
+    wait_for(lambda: _metric(cluster.d, "neuron_disagg_connector_step_seconds_count") > 0, 30, "step timing")
+
+
+def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, routed):
+    async def scenario():
+        texts = [prompt(45, 41), prompt(350, 42)]
+        async with httpx.AsyncClient(timeout=120) as client:
+            want = [await reference(cluster, client, t, 16) for t in texts]
+            direct = []
+            for t in texts:
+                tid = f"pull-{next(_ids)}-{time.monotonic_ns()}#0"
+                p = await client.post(f"{cluster.p.url}/v1/completions", json=body(t, 1, kv_transfer_params={
+                    "neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid}))
+                assert p.status_code == 200, p.text
+                offer = p.json()["kv_transfer_params"]
+                assert "offer" in offer, p.json()
+                d = await client.post(f"{cluster.d.url}/v1/completions", json=body(t, 16, kv_transfer_params={
+                    "neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid, **offer}))
+                assert d.status_code == 200, d.text
+                direct.append(d.json()["choices"][0]["text"])
+            routed_out = [
+                (await client.post(f"{routed.url}/v1/completions", json=body(t, 16, disagg_mode="pull")))
+                .json()["choices"][0]["text"] for t in texts]
+        return want, direct, routed_out
+
+    want, direct, routed_out = run(scenario())
+    assert direct == want
+    assert routed_out == want
+    blocks_back(cluster)

@@ -1,0 +1,89 @@
+"""Connector metrics through vLLM's own stats pipeline: workers snapshot their counters each step
+(``get_kv_connector_stats``), vLLM aggregates them across workers and intervals, and the API
+server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
+
+The payload is a plain dict (vLLM sends it between processes):
+``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...]}``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTS = {
+    "transfers": "KV transfers completed (P: writes done; D: loads finished)",
+    "transfers_failed": "KV transfers that ended without delivering KV",
+    "bytes": "KV bytes posted for transfer",
+    "descriptors": "transfer descriptors posted, after merging",
+    "registrations_rejected": "registrations refused before any write (bad geometry, memory)",
+    "messages_rejected": "wire messages refused (signature, version, size, schema)",
+    "lease_expiries": "P leases that expired with no registration or heartbeat",
+}
+
+
+def empty() -> dict[str, Any]:
+    return {"counts": {}, "failures": {}, "write_ms": [], "step_us": []}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+class ConnectorStats(KVConnectorStats):
+    def __init__(self, data: dict[str, Any] | None = None):
+        super().__init__(data=data or empty())
+
+    def reset(self) -> None:
+        self.data = empty()
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (any(d["counts"].values()) or d["failures"] or d["write_ms"] or d["step_us"])
+
+    def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
+        mine, theirs = self.data, other.data
+        mine["counts"] = dict(Counter(mine["counts"]) + Counter(theirs.get("counts", {})))
+        mine["failures"] = dict(Counter(mine["failures"]) + Counter(theirs.get("failures", {})))
+        mine["write_ms"] = mine["write_ms"] + list(theirs.get("write_ms", []))
+        mine["step_us"] = mine["step_us"] + list(theirs.get("step_us", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {name: d["counts"].get(name, 0) for name in COUNTS}
+        out["write_ms_p50"] = round(_median(d["write_ms"]), 3)
+        out["connector_us_per_step_p50"] = round(_median(d["step_us"]), 1)
+        return out
+
+
+class ConnectorPromMetrics(KVConnectorPromMetrics):
+    """``neuron_disagg_*`` counters and histograms, one series per vLLM engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counts = {name: self._counter_cls(f"neuron_disagg_{name}", doc, labelnames=labelnames)
+                        for name, doc in COUNTS.items()}
+        self._failures = self._counter_cls("neuron_disagg_failures", "failed transfers by reason",
+                                           labelnames=[*labelnames, "reason"])
+        self._write = self._histogram_cls(
+            "neuron_disagg_write_seconds", "P: submit to every WRITE complete", labelnames=labelnames,
+            buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5])
+        self._step = self._histogram_cls(
+            "neuron_disagg_connector_step_seconds", "time the connector spends on the engine loop per step",
+            labelnames=labelnames, buckets=[1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.get("counts", {}).items():
+            if name in self._counts and value:
+                self._counts[name].labels(*labels).inc(value)
+        for reason, value in transfer_stats_data.get("failures", {}).items():
+            self._failures.labels(*labels, reason).inc(value)
+        for ms in transfer_stats_data.get("write_ms", []):
+            self._write.labels(*labels).observe(ms / 1e3)
+        for us in transfer_stats_data.get("step_us", []):
+            self._step.labels(*labels).observe(us / 1e6)
