@@ -33,7 +33,7 @@ class Cluster:
         self.model = model
         self.p_side = free_port()
         self.mono = monolithic(model, free_port(), "0", max_model_len=MAX_MODEL_LEN)
-        secret = secrets.token_hex(32)
+        self.secret = secret = secrets.token_hex(32)
         self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, TIMEOUTS,
                                max_model_len=MAX_MODEL_LEN)
         self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, TIMEOUTS,
@@ -279,3 +279,55 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
     assert direct == want
     assert routed_out == want
     blocks_back(cluster)
+
+
+@pytest.fixture(scope="module")
+def small_decode(cluster):
+    """A second decode instance with a KV cache that holds one max-length request: it must preempt."""
+    instance = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, TIMEOUTS,
+                             max_model_len=MAX_MODEL_LEN, kv_cache_bytes=5 << 20).start()
+    try:
+        yield instance.wait_ready()
+    finally:
+        instance.stop()
+
+
+def test_preemption_on_a_small_decode_cache_keeps_outputs_exact(cluster, small_decode):
+    async def scenario():
+        texts = [prompt(380 + 9 * i, 50 + i) for i in range(8)]
+        async with httpx.AsyncClient(timeout=300) as client:
+            want = [await reference(cluster, client, t, 64) for t in texts]
+
+            async def one(t):
+                p_body, d_body = legs(cluster, t, 64)
+                p, d = await asyncio.gather(client.post(f"{cluster.p.url}/v1/completions", json=p_body),
+                                            client.post(f"{small_decode.url}/v1/completions", json=d_body))
+                assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+                return d.json()["choices"][0]["text"]
+
+            got = await asyncio.gather(*(one(t) for t in texts))
+        return want, list(got)
+
+    want, got = run(scenario())
+    assert got == want
+    wait_for(lambda: kv_usage(small_decode) == 0.0, 20, "small D's KV usage back to 0")
+    blocks_back(cluster)
+
+
+def test_decode_killed_after_registering_prefill_frees_within_its_lease(cluster, small_decode):
+    async def scenario():
+        p_body, d_body = legs(cluster, prompt(300, 60), 32)
+        async with httpx.AsyncClient(timeout=60) as client:
+            d_task = asyncio.create_task(client.post(f"{small_decode.url}/v1/completions", json=d_body))
+            await asyncio.to_thread(wait_for, lambda: kv_usage(small_decode) > 0, 30, "D allocating blocks")
+            small_decode.kill()
+            d_task.cancel()
+            p = await client.post(f"{cluster.p.url}/v1/completions", json=p_body)
+            assert p.status_code == 200
+        return True
+
+    run(scenario())
+    waited = wait_for(lambda: kv_usage(cluster.p) == 0.0, TIMEOUTS["lease_s"] + 5, "P freeing the dead D's request")
+    assert waited <= TIMEOUTS["lease_s"] + 5
+    want, got = run(_compare(cluster, [prompt(40, 61)]))  # P keeps serving the live D
+    assert got == want
