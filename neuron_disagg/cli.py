@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in ("launch", "status", "teardown"):
         from .deploy.cli import main as deploy_main
         return deploy_main(argv)
+    if argv[:1] == ["doctor"]:
+        from .doctor import main as doctor_main
+        return doctor_main(argv[1:])
     if argv[:1] == ["serve"]:  # passes everything after `--` to `vllm serve`
         from .vllm.serve import main as serve_main
         return serve_main(argv[1:])
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate", help="discrete-event model of push vs pull serving (see `neuron-disagg simulate --help`)")
     for name in ("launch", "status", "teardown"):
         sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
+    sub.add_parser("doctor", help="check this host for serving: vLLM, NIXL backends, EFA, Neuron, config (see --help)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:

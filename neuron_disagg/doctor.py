@@ -1,0 +1,270 @@
+"""`neuron-disagg doctor`: check this host before serving, and say how to fix each problem.
+
+Every check returns ok, warn or fail with a message and, when not ok, a fix. A failure is something
+that would make `serve` refuse to start or make transfers fail; a warning is something that works
+but slower or only locally. Exit status is non-zero on any failure. The secret is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from .config import Config, ConfigError
+
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    message: str
+    fix: str = ""
+
+
+# -- probes (each isolated so one broken library cannot take doctor down) ---------------------------
+_NIXL_PROBE = r"""
+import json, sys
+out = {}
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except Exception as exc:
+    print(json.dumps({"import_error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
+for backend in ("UCX", "LIBFABRIC"):
+    try:
+        nixl_agent(f"doctor-{backend}", nixl_agent_config(enable_prog_thread=False,
+                   enable_listen_thread=False, backends=[backend]))
+        out[backend] = "loaded"
+    except Exception as exc:
+        out[backend] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def probe_nixl(timeout_s: float = 60.0) -> dict[str, str]:
+    """Create a NIXL agent per backend in a child process: a plugin that crashes cannot crash us."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _NIXL_PROBE], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"import_error": f"creating NIXL agents took longer than {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"import_error": f"NIXL probe exited with {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def _run(cmd: list[str], timeout_s: float = 20.0) -> str | None:
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return None
+    try:
+        return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def libcuda_loads() -> bool:
+    if ctypes.util.find_library("cuda"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+# -- checks -----------------------------------------------------------------------------------------
+def check_vllm() -> Check:
+    from .vllm.serve import check_vllm_version, installed_vllm_version
+    try:
+        version = installed_vllm_version()
+        check_vllm_version(version)
+    except ConfigError as exc:
+        return Check("vllm", "fail", str(exc), "pip install 'vllm>=0.14.0' (or vllm-neuron on Trainium)")
+    return Check("vllm", "ok", f"vLLM {version} (>= 0.14.0)")
+
+
+def check_nixl(backend: str) -> list[Check]:
+    result = probe_nixl()
+    if "import_error" in result:
+        return [Check("nixl", "fail", f"nixl does not import: {result['import_error']}",
+                      "pip install nixl (pulls nixl-cu12/nixl-cu13)")]
+    checks = [Check("nixl", "ok", "nixl imports")]
+    for name in ("UCX", "LIBFABRIC"):
+        state = result.get(name, "not probed")
+        if state == "loaded":
+            checks.append(Check(f"nixl backend {name}", "ok", f"{name} backend loads"))
+            continue
+        needed = name == backend
+        fix = ("install libfabric >= 1.21 (the EFA installer puts it in /opt/amazon/efa/lib), add it to "
+               "LD_LIBRARY_PATH, and make libcuda.so.1 loadable" if name == "LIBFABRIC"
+               else "reinstall nixl; check that its bundled UCX libraries load (ldd on the plugin)")
+        msg = f"{name} backend does not load ({state})" + ("; this platform needs it" if needed
+                                                             else "; not used on this platform")
+        checks.append(Check(f"nixl backend {name}", "fail" if needed else "warn", msg, fix))
+    return checks
+
+
+def check_libfabric(backend: str) -> Check:
+    version = _run(["fi_info", "--version"])
+    if version is None:
+        status: Status = "fail" if backend == "LIBFABRIC" else "ok"
+        return Check("libfabric", status, "fi_info not installed (libfabric tools absent)",
+                     "" if status == "ok" else "install the EFA software: aws-efa-installer (efa_installer.sh --yes)")
+    lib = next((ln.split(":", 1)[1].strip() for ln in version.splitlines() if ln.startswith("libfabric:")), version.strip())
+    providers = sorted({ln.strip().rstrip(":") for ln in (_run(["fi_info", "-l"]) or "").splitlines()
+                        if ln.strip().endswith(":") and not ln.startswith(" ")})
+    msg = f"libfabric {lib or 'unknown'}; providers: {', '.join(providers) or 'none listed'}"
+    if backend == "LIBFABRIC" and "efa" not in providers:
+        return Check("libfabric", "fail", msg + " (no efa provider)",
+                     "reinstall the EFA software (aws-efa-installer) so the efa provider is built")
+    return Check("libfabric", "ok", msg)
+
+
+def check_efa(platform) -> Check:
+    efas = platform.efa_devices()
+    if efas:
+        return Check("efa devices", "ok", f"{len(efas)} EFA device(s): {', '.join(d.name for d in efas[:4])}"
+                     + (" ..." if len(efas) > 4 else ""))
+    if platform.name == "cpu":
+        return Check("efa devices", "ok", "none (CPU host: UCX over TCP/shared memory)")
+    return Check("efa devices", "warn", "no EFA device: KV will move over UCX/TCP, far slower between instances",
+                 "launch with EFA interfaces (one per network card) and install the EFA driver")
+
+
+def check_neuron(platform) -> Check:
+    from .platforms.neuron import neuron_device_nodes
+    from .platforms.neuron_ls import run_neuron_ls
+    nodes = neuron_device_nodes(platform.root)
+    if not nodes:
+        return Check("neuron devices", "ok", "none (not a Trainium host)")
+    try:
+        devices = run_neuron_ls()
+    except Exception as exc:  # a broken tool is worth a warning, not a crash
+        return Check("neuron devices", "warn", f"{len(nodes)} device entries; neuron-ls -j failed: {exc}",
+                     "reinstall aws-neuronx-tools")
+    runtime = (_run(["dpkg-query", "-W", "-f", "${Version}", "aws-neuronx-runtime-lib"]) or "").strip()
+    gen = getattr(platform, "generation", lambda: None)()
+    msg = f"{len(nodes)} device entries ({gen or 'unknown generation'})"
+    msg += f"; neuron-ls: {len(devices)} devices" if devices is not None else "; neuron-ls not installed"
+    msg += f"; runtime {runtime}" if runtime else "; runtime version unknown"
+    return Check("neuron devices", "ok", msg)
+
+
+def check_libcuda(platform, backend: str) -> Check:
+    if libcuda_loads():
+        return Check("libcuda", "ok", "libcuda.so.1 loads")
+    if backend == "LIBFABRIC" or platform.name == "cuda":
+        return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin needs it even on "
+                     "Neuron hosts", "install the NVIDIA driver, or on Neuron a stub libcuda.so.1 on LD_LIBRARY_PATH")
+    return Check("libcuda", "ok", "libcuda.so.1 absent (not needed for UCX)")
+
+
+def check_env(platform, backend: str) -> Check:
+    missing = platform.missing_fabric_env(backend=backend)
+    if not missing:
+        needed = platform.fabric_env(backend)
+        return Check("environment", "ok", ("set: " + ", ".join(f"{k}={v}" for k, v in needed.items()))
+                     if needed else "no fabric variables needed")
+    return Check("environment", "fail", f"{platform.name} with {backend} needs: "
+                 + ", ".join(f"{k}={v} (now {os.environ.get(k, 'unset')})" for k, v in missing.items()),
+                 " ".join(f"export {k}={v};" for k, v in missing.items()))
+
+
+def check_port(config: Config) -> Check:
+    host, port = config.side_channel_host, config.side_channel_port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return Check("side channel", "fail", f"side_channel_host {host!r} does not resolve: {exc}",
+                     "set side_channel_host to an address of this host")
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            return Check("side channel", "fail", f"cannot bind {config.side_channel}: {exc.strerror}",
+                         f"stop what listens there (ss -ltnp 'sport = :{port}') or set side_channel_port")
+    return Check("side channel", "ok", f"{config.side_channel} is free")
+
+
+def check_secret(config: Config) -> Check:
+    try:
+        secret = config.load_secret()
+    except ConfigError as exc:
+        return Check("secret", "fail", "deployment secret missing or too short", str(exc))
+    where = f"secret_file {config.secret_file}" if config.secret_file else f"${config.secret_env}"
+    return Check("secret", "ok", f"present in {where} ({len(secret)} bytes)")
+
+
+def run_checks(config_path: str | None = None, root: str = "/") -> tuple[list[Check], dict]:
+    checks: list[Check] = []
+    try:
+        config = Config.from_yaml(config_path) if config_path else Config()
+        checks.append(Check("config", "ok", f"loaded {config_path}" if config_path else "defaults (no --config)"))
+    except ConfigError as exc:
+        checks.append(Check("config", "fail", str(exc), "fix the named fields in the config file"))
+        config = None
+    summary: dict = {}
+    checks.append(check_vllm())
+    if config is None:
+        return checks, summary
+    checks.append(check_secret(config))
+    from .platforms import PlatformError, select_platform
+    try:
+        platform, reason = select_platform(config.platform, root=root)
+    except PlatformError as exc:
+        checks.append(Check("platform", "fail", str(exc), "set platform: auto, or run on the named hardware"))
+        return checks, summary
+    backend = platform.nixl_backend(config.backend)
+    summary = {"platform": platform.name, "reason": reason, "nixl_backend": backend,
+               "memory_type": platform.memory_type, "wait_for_kv": platform.wait_strategy}
+    checks.append(Check("platform", "ok", f"{platform.name} ({reason}); NIXL {backend}, {platform.memory_type}"))
+    checks += check_nixl(backend)
+    checks += [check_libfabric(backend), check_efa(platform), check_neuron(platform),
+               check_libcuda(platform, backend), check_env(platform, backend), check_port(config)]
+    return checks, summary
+
+
+def _print_table(checks: list[Check], summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    colour = {"ok": "green", "warn": "yellow", "fail": "red"}
+    table = Table(title="neuron-disagg doctor")
+    for col in ("check", "status", "detail", "fix"):
+        table.add_column(col, overflow="fold")
+    for c in checks:
+        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.message, c.fix)
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="neuron-disagg doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="neuron-disagg YAML config to check")
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    args = parser.parse_args(argv)
+    checks, summary = run_checks(args.config)
+    ok = all(c.status != "fail" for c in checks)
+    if args.json:
+        print(json.dumps({"ok": ok, **summary, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        _print_table(checks, summary)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

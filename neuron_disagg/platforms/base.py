@@ -1,0 +1,87 @@
+"""The interface every accelerator platform implements; callers never branch on the accelerator.
+
+The connector and the transfer layer ask a ``Platform`` which NIXL backend and memory type to use,
+how to fence a step's KV before writing it, which EFA device is nearest to an accelerator, and which
+environment variables the fabric needs. One implementation per accelerator: ``neuron``, ``cpu`` and
+the top-level ``cuda_compat`` package (imported only where CUDA exists).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Literal
+
+from . import pci
+from .fence import KVFence
+
+Backend = Literal["UCX", "LIBFABRIC"]
+MemoryType = Literal["VRAM", "DRAM"]
+
+#: UCX's own default, spelled out: ``peer`` detects a dead peer; ``none`` hides it (see notes/nixl.md).
+UCX_INIT_PARAMS: dict[str, str] = {"ucx_error_handling_mode": "peer"}
+
+
+class Platform(ABC):
+    name: str
+    memory_type: MemoryType
+    wait_strategy: str  # one line for logs and `doctor`: how wait_for_kv fences a step
+    fabric_env_vars: dict[str, str] = {}  # what the EFA provider needs on this accelerator
+
+    def __init__(self, root: str = "/") -> None:
+        self.root = root
+        self._efa: list[pci.PciDevice] | None = None
+
+    # -- NICs ---------------------------------------------------------------------------------------
+    def efa_devices(self) -> list[pci.PciDevice]:
+        if self._efa is None:
+            self._efa = pci.efa_devices(self.root)
+        return self._efa
+
+    def accelerators(self) -> list[pci.PciDevice]:
+        """This platform's accelerators as PCI devices, in the runtime's device-index order."""
+        return []
+
+    def nearest_efa(self, device_index: int) -> str | None:
+        """Name of the EFA device nearest to accelerator ``device_index`` (None: no EFA, or CPU)."""
+        accs = self.accelerators()
+        if not 0 <= device_index < len(accs):
+            return None
+        nic = pci.nearest(accs[device_index], self.efa_devices())
+        return nic.name if nic else None
+
+    def efa_affinity(self) -> dict[str, str | None]:
+        return pci.affinity(self.accelerators(), self.efa_devices())
+
+    # -- NIXL ---------------------------------------------------------------------------------------
+    def nixl_backend(self, configured: str = "auto") -> Backend:
+        """LIBFABRIC when EFA devices exist, else UCX; an explicit config choice wins."""
+        if configured in ("UCX", "LIBFABRIC"):
+            return configured  # type: ignore[return-value]
+        return "LIBFABRIC" if self.efa_devices() else "UCX"
+
+    def nixl_init_params(self, backend: str) -> dict[str, str]:
+        """Parameters for ``nixl_agent.create_backend``; LIBFABRIC finds its rails itself."""
+        return dict(UCX_INIT_PARAMS) if backend == "UCX" else {}
+
+    # -- fabric environment -------------------------------------------------------------------------
+    def fabric_env(self, backend: str | None = None) -> dict[str, str]:
+        """Environment variables the fabric needs; only the EFA (LIBFABRIC) path needs any."""
+        backend = backend or self.nixl_backend()
+        return dict(self.fabric_env_vars) if backend == "LIBFABRIC" else {}
+
+    def missing_fabric_env(self, env: dict[str, str] | None = None, backend: str | None = None) -> dict[str, str]:
+        """Required variables that are unset or set differently in ``env`` -> the value they need."""
+        env = os.environ if env is None else env
+        return {k: v for k, v in self.fabric_env(backend).items() if env.get(k) != v}
+
+    # -- KV fence -----------------------------------------------------------------------------------
+    @abstractmethod
+    def wait_for_kv(self, stream: object | None = None) -> KVFence:
+        """Record, on the engine thread, a fence for the KV written so far; never blocks there."""
+
+    def describe(self) -> dict[str, object]:
+        backend = self.nixl_backend()
+        return {"platform": self.name, "nixl_backend": backend, "memory_type": self.memory_type,
+                "wait_for_kv": self.wait_strategy, "efa_devices": [d.name for d in self.efa_devices()],
+                "fabric_env": self.fabric_env(backend)}

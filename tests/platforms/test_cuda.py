@@ -1,0 +1,84 @@
+"""CUDA selection and KV fencing against a stubbed torch.cuda; real-GPU checks marked `cuda`."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_disagg.platforms import select_platform
+from neuron_disagg.platforms.fence import CallbackFence, ReadyFence
+
+from .conftest import FakeEvent
+
+
+def test_cuda_selected_when_torch_sees_a_gpu(host, fake_torch):
+    root, _ = host("none")
+    platform, reason = select_platform("auto", root=root)
+    assert platform.name == "cuda" and "torch.cuda.is_available()" in reason
+    assert type(platform).__module__ == "cuda_compat.platform"
+    assert platform.memory_type == "VRAM" and platform.nixl_backend() == "UCX"
+
+
+def test_neuron_beats_cuda(host, fake_torch):
+    root, _ = host("trn2")
+    assert select_platform("auto", root=root)[0].name == "neuron"
+
+
+def test_explicit_cuda_with_stub(host, fake_torch):
+    root, _ = host("none")
+    assert select_platform("cuda", root=root)[0].name == "cuda"
+
+
+def test_wait_for_kv_records_an_event_the_writer_waits_on(host, fake_torch):
+    root, _ = host("none")
+    platform, _ = select_platform("cuda", root=root)
+    fence = platform.wait_for_kv()
+    (event,) = FakeEvent.instances
+    assert event.recorded_on == "current" and not fence.ready() and event.synchronized == 0
+    fence.wait()  # what the writer thread does before posting the WRITE
+    assert event.synchronized == 1 and fence.ready()
+    platform.wait_for_kv(stream="s1")
+    assert FakeEvent.instances[-1].recorded_on == "s1"
+
+
+def test_gpu_affinity_from_pci(tmp_path, fake_torch):
+    from . import fake_sysfs
+    from cuda_compat import CudaPlatform
+    desc = fake_sysfs.load("trn2")
+    gpus = [dict(n, name=f"gpu{i}", vendor="0x10de", device="0x2335") for i, n in enumerate(desc["neuron"][:8])]
+    fake_sysfs.build(tmp_path, {"neuron": [], "efa": desc["efa"], "dev_nodes": [], "gpus": gpus})
+    platform = CudaPlatform(str(tmp_path))
+    assert len(platform.accelerators()) == 8
+    assert platform.nearest_efa(0) == desc["expected_affinity"]["neuron0"]
+
+
+def test_cpu_and_neuron_fences(host, monkeypatch):
+    import sys
+    root, _ = host("trn2")
+    platform, _ = select_platform("auto", root=root)
+    monkeypatch.setitem(sys.modules, "torch_xla", None)  # not importable
+    monkeypatch.setitem(sys.modules, "torch_xla.core", None)
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", None)
+    assert isinstance(platform.wait_for_kv(), ReadyFence)
+    calls = []
+    import types
+    xm = types.SimpleNamespace(mark_step=lambda: calls.append("mark_step"),
+                               wait_device_ops=lambda: calls.append("wait_device_ops"))
+    core = types.SimpleNamespace(xla_model=xm)
+    monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(core=core))
+    monkeypatch.setitem(sys.modules, "torch_xla.core", core)
+    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xm)
+    fence = platform.wait_for_kv()
+    assert isinstance(fence, CallbackFence) and calls == ["mark_step"] and not fence.ready()
+    fence.wait(); fence.wait()
+    assert calls == ["mark_step", "wait_device_ops"] and fence.ready()
+
+
+@pytest.mark.cuda
+def test_real_cuda_event_fence():
+    import torch
+    platform, _ = select_platform("cuda")
+    x = torch.ones(1 << 20, device="cuda")
+    y = x * 2
+    fence = platform.wait_for_kv()
+    fence.wait()
+    assert fence.ready() and float(y.sum()) == 2 * (1 << 20)

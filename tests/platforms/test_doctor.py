@@ -1,0 +1,86 @@
+"""`doctor --json` on this machine: passes when all is well, fails on a bad config or a busy port."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+
+from neuron_disagg import doctor
+
+SECRET = "s" * 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(capsys, *argv):
+    rc = doctor.main(["--json", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def _config(tmp_path, port: int, extra: str = "") -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"side_channel_port: {port}\n{extra}")
+    return str(path)
+
+
+def test_passes_here_with_secret(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    rc, out = _run(capsys, "--config", _config(tmp_path, _free_port()))
+    by = {c["name"]: c for c in out["checks"]}
+    assert rc == 0 and out["ok"], [c for c in out["checks"] if c["status"] == "fail"]
+    assert out["platform"] == "cpu" and out["nixl_backend"] == "UCX"
+    assert by["nixl backend UCX"]["status"] == "ok"
+    assert by["nixl backend LIBFABRIC"]["status"] in ("ok", "warn")
+    assert by["secret"]["status"] == "ok" and SECRET not in json.dumps(out)
+    assert all(set(c) == {"name", "status", "message", "fix"} for c in out["checks"])
+
+
+def test_missing_secret_fails_with_a_fix(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NEURON_DISAGG_SECRET", raising=False)
+    rc, out = _run(capsys, "--config", _config(tmp_path, _free_port()))
+    secret = next(c for c in out["checks"] if c["name"] == "secret")
+    assert rc != 0 and secret["status"] == "fail" and "openssl rand" in secret["fix"]
+
+
+def test_bad_config_fails(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    rc, out = _run(capsys, "--config", _config(tmp_path, 80, "lease_s: -1\n"))
+    config = out["checks"][0]
+    assert rc != 0 and not out["ok"] and config["name"] == "config" and config["status"] == "fail"
+    assert "lease_s" in config["message"] and config["fix"]
+
+
+def test_busy_side_channel_port_fails(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc, out = _run(capsys, "--config", _config(tmp_path, busy.getsockname()[1]))
+    side = next(c for c in out["checks"] if c["name"] == "side channel")
+    assert rc != 0 and side["status"] == "fail" and "side_channel_port" in side["fix"]
+
+
+def test_table_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    assert doctor.main(["--config", _config(tmp_path, _free_port())]) == 0
+    assert "neuron-disagg doctor" in capsys.readouterr().out
+
+
+def test_neuron_platform_wants_env_and_libfabric(monkeypatch):
+    """On a Neuron host without the fabric variables, doctor fails with the exports to run."""
+    from neuron_disagg.platforms.neuron import NeuronPlatform
+    for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "FI_EFA_ENABLE_SHM_TRANSFER"):
+        monkeypatch.delenv(k, raising=False)
+    check = doctor.check_env(NeuronPlatform("/nonexistent"), "LIBFABRIC")
+    assert check.status == "fail" and "export FI_PROVIDER=efa;" in check.fix
+    monkeypatch.setattr(doctor, "probe_nixl", lambda: {"UCX": "loaded", "LIBFABRIC": "nixlNotFoundError"})
+    fab = [c for c in doctor.check_nixl("LIBFABRIC") if c.name == "nixl backend LIBFABRIC"][0]
+    assert fab.status == "fail"
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout_s=20.0: None)
+    assert doctor.check_libfabric("LIBFABRIC").status == "fail"
+    assert doctor.check_libfabric("UCX").status == "ok"
