@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 
 from ..config import Config
+from ..platforms import select_platform
 from ..platforms.kv_layout import regions_from_kv_caches
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
@@ -62,8 +63,10 @@ class WorkerSide:
     # -- start-up ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         self.regions = regions_from_kv_caches(kv_caches, self.tp_rank)
-        backend = "UCX" if self.config.backend == "auto" else self.config.backend
-        self.transport = NixlTransport(self.agent_name, backend, "DRAM")
+        platform, reason = select_platform(self.config.platform)
+        backend = platform.nixl_backend(self.config.backend)
+        log.info("neuron-disagg rank %d: %s", self.tp_rank, reason)
+        self.transport = NixlTransport(self.agent_name, backend, platform.memory_type)
         self.transport.register(self.regions)
         info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
                          tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
