@@ -61,7 +61,7 @@ class HealthMonitor:
 
     async def check(self, inst: Instance) -> bool:
         """One check of one instance; ejects or readmits it. Returns whether it is healthy now."""
-        reason = await self._probe(inst.url + "/health")
+        reason, dead = await self._probe(inst.url + "/health")
         if inst.removed:
             return False
         if reason is None:
@@ -72,22 +72,24 @@ class HealthMonitor:
                 await self._scrape(inst)
             return True
         inst.failed_checks += 1
-        if inst.failed_checks >= self.settings.health_failures_to_eject:
+        if dead or inst.failed_checks >= self.settings.health_failures_to_eject:
             if self.pool.set_health(inst, False):
                 logger.warning("%s %s failed %d health check(s) (%s): ejected", inst.role, inst.url,
                                inst.failed_checks, reason)
         return inst.healthy
 
-    async def _probe(self, url: str) -> str | None:
-        """None if ``url`` answered 200, else why not."""
+    async def _probe(self, url: str) -> tuple[str | None, bool]:
+        """(None if ``url`` answered 200 else why not, whether nothing is listening at all)."""
         try:
             async with self.session.get(url, timeout=self._timeout) as resp:
                 await resp.read()
-                return None if resp.status == 200 else f"HTTP {resp.status}"
+                return (None if resp.status == 200 else f"HTTP {resp.status}"), False
         except asyncio.TimeoutError:
-            return f"no answer within {self.settings.health_timeout_s} s"
+            return f"no answer within {self.settings.health_timeout_s} s", False
+        except aiohttp.ClientConnectorError as exc:  # refused: the process is gone
+            return f"{type(exc).__name__}: {exc}", True
         except aiohttp.ClientError as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", False
 
     async def _scrape(self, inst: Instance) -> None:
         try:

@@ -32,9 +32,11 @@ class RouterSettings(BaseModel):
     decode_idle_timeout_s: float = Field(300.0, gt=0, le=86400,
                                          description="longest gap between two chunks of D's stream")
     health_interval_s: float = Field(5.0, gt=0, le=3600, description="GET /health on every instance")
-    health_timeout_s: float = Field(2.0, gt=0, le=600, description="one health check")
-    health_failures_to_eject: int = Field(1, ge=1, le=100,
-                                          description="consecutive failed checks before ejection")
+    health_timeout_s: float = Field(5.0, gt=0, le=600, description="one health check")
+    # A vLLM busy with prefill can answer /health late; only a refused connection (a dead process)
+    # ejects at once. Ejecting the only P or D on one slow answer fails every request meanwhile.
+    health_failures_to_eject: int = Field(3, ge=1, le=100,
+                                          description="consecutive slow or failed checks before ejection")
     metrics_stale_s: float = Field(30.0, gt=0, le=3600,
                                    description="ignore a D's scraped /metrics older than this")
     kv_cache_full_fraction: float = Field(0.95, gt=0, le=1.0,

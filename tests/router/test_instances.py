@@ -71,6 +71,17 @@ async def test_decode_with_open_streams_is_avoided():
         resp.close()
 
 
+async def test_one_failed_health_check_does_not_eject_a_busy_instance():
+    async with cluster(prefill=1, decode=1, health_interval_s=0.2, health_timeout_s=0.5) as c:
+        d0 = c.decodes[0]
+        d0.health_ok = False
+        await until(lambda: c.instance(d0).failed_checks >= 1, "a failed check")
+        assert c.instance(d0).healthy  # a single bad answer is not death
+        d0.health_ok = True
+        await until(lambda: c.instance(d0).failed_checks == 0, "the next check to pass")
+        assert (await c.post("/v1/completions", completion()))[0] == 200
+
+
 async def test_health_checks_eject_and_readmit():
     async with cluster(prefill=2, decode=2, health_interval_s=0.05, health_timeout_s=0.5) as c:
         d0 = c.decodes[0]
