@@ -2,7 +2,8 @@
 
 Builds (once) a tiny random Qwen3 locally, starts P on core 0 and D on core 1 with the
 NeuronDisaggConnector (push mode over NIXL), starts the router in front of them, sends a few
-requests through the router, and prints each answer with its time to first token. Each answer is
+requests through the router in push and then in pull mode, and prints each answer with its time to
+first token, then the connector's transfer counters from both instances. Each answer is
 checked against D computing the same prompt alone. Everything it started is stopped at the end,
 also on Ctrl-C.
 """
@@ -27,8 +28,9 @@ PROMPTS = [
 CONFIG = {"lease_s": 10, "heartbeat_interval_s": 2, "watchdog_s": 20, "max_write_s": 5}
 
 
-def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[str, float, float]:
-    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "stream": True}
+def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int, mode: str) -> tuple[str, float, float]:
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+            "disagg_mode": mode}
     start, first, text = time.perf_counter(), None, []
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -40,6 +42,24 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> tup
                 first = first or time.perf_counter()
                 text.append(chunk["choices"][0]["text"])
     return "".join(text), (first - start) * 1e3, (time.perf_counter() - start) * 1e3
+
+
+def _counters(instance) -> str:
+    """The connector's own series on vLLM's /metrics, summed over labels."""
+    wanted = ("neuron_disagg_transfers_total", "neuron_disagg_bytes_total", "neuron_disagg_descriptors_total",
+              "neuron_disagg_transfers_failed_total")
+    totals = dict.fromkeys(wanted, 0.0)
+    deadline = time.monotonic() + 15  # vLLM forwards worker stats with a short delay
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+        if totals["neuron_disagg_transfers_total"]:
+            break
+        totals = dict.fromkeys(wanted, 0.0)
+        time.sleep(0.5)
+    return ", ".join(f"{k.removeprefix('neuron_disagg_').removesuffix('_total')} {v:,.0f}" for k, v in totals.items())
 
 
 def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
@@ -62,21 +82,21 @@ def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
             started.append(r.start())
             r.wait_ready(60)
         console.print(f"prefill {p.url} (core 0, log {p.log_path})\ndecode  {d.url} (core 1, log {d.log_path})\n"
-                      f"router  {r.url}  mode push: D registers its blocks while P prefills; P's writer "
-                      "thread writes the KV into D over NIXL\n")
+                      f"router  {r.url}\npush: D registers its blocks while P prefills and P's writer thread writes the "
+                      "KV into D over NIXL; pull: D's reader thread reads it from P afterwards\n")
         with httpx.Client(timeout=120) as client:
-            for i, prompt in enumerate(PROMPTS, 1):
-                text, ttft, total = _stream(client, r.url, prompt, max_tokens)
-                alone = client.post(f"{d.url}/v1/completions", json={
-                    "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}).json()
-                same = alone["choices"][0]["text"] == text
-                ok &= same
-                words = len(prompt.split())
-                console.print(f"[bold]request {i}[/] ({words} words): TTFT {ttft:.0f} ms, total {total:.0f} ms, "
-                              + ("[green]same tokens as D computing alone[/]" if same else "[red]DIFFERS from D alone[/]"))
-                console.print(f"    {text!r}")
-        console.print("\npull mode through vLLM is not served yet (the pull transfer threads exist and are "
-                      "tested between NIXL processes); see the README.")
+            for mode in ("push", "pull"):
+                console.print(f"[bold]{mode} mode[/]" + (" (P first; D reads P's KV after it finished)" if mode == "pull" else ""))
+                for i, prompt in enumerate(PROMPTS, 1):
+                    text, ttft, total = _stream(client, r.url, prompt, max_tokens, mode)
+                    alone = client.post(f"{d.url}/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}).json()
+                    same = alone["choices"][0]["text"] == text
+                    ok &= same
+                    console.print(f"  request {i} ({len(prompt.split())} words): TTFT {ttft:.0f} ms, total {total:.0f} ms, "
+                                  + ("[green]same tokens as D computing alone[/]" if same else "[red]DIFFERS from D alone[/]"))
+                    console.print(f"      {text!r}")
+        console.print(f"\nconnector counters on P: {_counters(p)}\nconnector counters on D: {_counters(d)}")
     except KeyboardInterrupt:
         console.print("interrupted: stopping everything")
         ok = False
