@@ -22,6 +22,10 @@ pytestmark = pytest.mark.integration
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3,
             "clock_skew_allowance_s": 0.5}
 D_BOUND_S = TIMEOUTS["watchdog_s"] + TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
+# P caps how long a registration may wait for its prefill by its own watchdog_s, and on 2 shared
+# cores a queue of prefills of new shapes (vLLM picks CPU kernels per shape) can take longer than the
+# short watchdog the liveness tests want on the main D. P and the preemption D get a long one.
+PATIENT = {**TIMEOUTS, "watchdog_s": 120}
 MAX_MODEL_LEN = 2048
 _ids = itertools.count()
 WORDS = ("river mountain ocean forest city music garden window morning evening silver copper orange "
@@ -34,7 +38,7 @@ class Cluster:
         self.p_side = free_port()
         self.mono = monolithic(model, free_port(), "0", max_model_len=MAX_MODEL_LEN)
         self.secret = secret = secrets.token_hex(32)
-        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, TIMEOUTS,
+        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, PATIENT,
                                max_model_len=MAX_MODEL_LEN)
         self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, TIMEOUTS,
                                max_model_len=MAX_MODEL_LEN)
@@ -284,7 +288,7 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
 @pytest.fixture(scope="module")
 def small_decode(cluster):
     """A second decode instance with a KV cache that holds one max-length request: it must preempt."""
-    instance = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, TIMEOUTS,
+    instance = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, PATIENT,
                              max_model_len=MAX_MODEL_LEN, kv_cache_bytes=5 << 20).start()
     try:
         yield instance.wait_ready()
