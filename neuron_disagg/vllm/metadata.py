@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata, KVConnectorMetadata,
 )
 
-from ..protocol.messages import RankRegions, TransferId
+from ..protocol.messages import PullOffer, RankRegions, TransferId
 
 
 @dataclass
@@ -32,8 +32,8 @@ class StepMetadata(KVConnectorMetadata):
     register: list[Registration] = field(default_factory=list)
     # P, push: prefill finished -> (transfer id, request id, the prompt's blocks)
     kv_ready: list[tuple[TransferId, str, tuple[int, ...]]] = field(default_factory=list)
-    # P, pull: prefill finished and its blocks are offered -> (transfer id, request id, signed offer)
-    lend: list[tuple[TransferId, str, bytes]] = field(default_factory=list)
+    # P, pull: prefill finished and its blocks are offered -> (transfer id, request id, the offer)
+    lend: list[tuple[TransferId, str, PullOffer]] = field(default_factory=list)
     # D, pull: blocks allocated; read P's offer into them
     read: list[tuple[Registration, bytes]] = field(default_factory=list)
     # either side: the request ended early -> (transfer id, role, reason)

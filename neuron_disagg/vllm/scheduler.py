@@ -31,9 +31,11 @@ class OfferMaker:
         self.codec, self.engine_id, self.side_channel = codec, engine_id, side_channel
         self.ranks, self.lease_s = ranks, lease_s
 
-    def offer(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> bytes:
-        return self.codec.encode(PullOffer(transfer_id, self.engine_id, self.side_channel, len(self.ranks),
-                                           self.ranks, block_ids, time.time() + self.lease_s))
+    def offer(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> tuple[PullOffer, bytes]:
+        """The offer for our own workers, and its signed frame for the router to carry to D."""
+        offer = PullOffer(transfer_id, self.engine_id, self.side_channel, len(self.ranks), self.ranks,
+                          block_ids, time.time() + self.lease_s)
+        return offer, self.codec.encode(offer)
 
 
 class LegState(enum.Enum):
@@ -117,8 +119,8 @@ class SchedulerSide:
                     self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
                     return True, None  # the writer frees them; we hear of it in finished_sending
                 if self.offers is not None:
-                    frame = self.offers.offer(tid, tuple(block_ids))
-                    self._step.lend.append((tid, request.request_id, frame))
+                    offer, frame = self.offers.offer(tid, tuple(block_ids))
+                    self._step.lend.append((tid, request.request_id, offer))
                     return True, {"neuron_disagg": 1, "offer": base64.b64encode(frame).decode()}
                 log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
             self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))

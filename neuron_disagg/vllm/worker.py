@@ -120,9 +120,9 @@ class WorkerSide:
                 reg.transfer_id, self.engine_id, reg.request_id, self.address, self.tp_size,
                 (RankRegions(self.tp_rank, self.agent_name, self.regions),), reg.block_ids,
                 reg.first_block_index, 0.0))
-        for tid, request_id, frame in step.lend:
+        for tid, request_id, offer in step.lend:  # our own scheduler's offer: no need to verify it
             self._request_of[tid] = request_id
-            self.pull.lend(self.codec.decode(frame))
+            self.pull.lend(offer)
         for reg, frame in step.read:
             self._request_of[reg.transfer_id] = reg.request_id
             try:
