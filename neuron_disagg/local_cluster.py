@@ -5,6 +5,7 @@ unpinned fight over both cores), logs to a file, and is stopped by its own proce
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,10 +63,15 @@ class Instance:
         raise TimeoutError(f"{self.name} not healthy after {timeout_s} s; last log lines:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
+        """The log's last lines, preceded by its error lines: an engine that fails to start ends its
+        log with the API server's generic traceback, and the root cause is far above it."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            log = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        errors = [line for line in log[:-lines] if re.search(r"Error|Exception|error:", line)]
+        head = ["(error lines from earlier in %s)" % self.log_path, *errors[-20:], "(last lines)"] if errors else []
+        return "\n".join(head + log[-lines:])
 
     def kill(self) -> None:
         """SIGKILL the whole instance (API server, engine core, workers)."""
@@ -108,12 +114,40 @@ def monolithic(model: str, port: int, cpu: str, **kwargs) -> Instance:
                                    *vllm_args(port, **kwargs)], port, cpu)
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port that is free now and that nothing else will be given before our server binds it.
+
+    A port from bind(("", 0)) comes from the kernel's ephemeral range, and is released before our
+    server (up to a minute later) binds it; meanwhile vLLM's distributed init, UCX listeners and
+    every outgoing connection draw from the same range, and one of them can take it. So pick below
+    the ephemeral range, where the kernel never allocates, and never hand out a port twice."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    low, _ = _ephemeral_range()
+    candidates = [p for p in range(max(1024, low - 12000), low) if p not in _handed_out]
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        # a P side channel listens on port + rank: keep a few neighbours out of later picks too
+        _handed_out.update(range(port - 8, port + 9))
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push") -> Instance:

@@ -61,7 +61,12 @@ class SideChannelServer:
         self.codec = codec
         self.on_message = on_message
         self.rejected: Counter[str] = Counter()
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            raise OSError(e.errno, f"side channel cannot listen on {host}:{port} ({e.strerror}); "
+                                   "set side_channel_port in the config to a free port (each TP rank "
+                                   "uses port + rank)") from e
         self.address = "%s:%d" % self._sock.getsockname()[:2]
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"neuron-disagg-{name}", daemon=True)
