@@ -109,6 +109,31 @@ def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu:
                     env={config.secret_env: secret})
 
 
+REFERENCE_CONNECTORS = {"vllm-push": "NixlPushConnector", "vllm-pull": "NixlConnector"}
+
+
+def reference(mode: str, role: str, model: str, port: int, side_channel_port: int, cpu: str,
+              **kwargs) -> Instance:
+    """A P or D running vLLM's own NIXL connector (``mode`` "vllm-push" or "vllm-pull"), for the
+    side-by-side benchmark. Its engine id is ``reference-<role>-<port>`` (the router's vllm-push
+    mode needs P's); see ``neuron_disagg.vllm.plugin`` for why the benchmark keeps its pinning."""
+    import json
+
+    from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
+
+    transfer = {"kv_connector": REFERENCE_CONNECTORS[mode], "kv_role": "kv_both",
+                "kv_buffer_device": "cpu", "engine_id": reference_engine_id(role, port)}
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+               "--kv-transfer-config", json.dumps(transfer), *vllm_args(port, **kwargs)]
+    return Instance(f"{mode}-{role}", command, port, cpu, env={
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        BENCH_KEEP_AFFINITY_ENV: "1"})
+
+
+def reference_engine_id(role: str, port: int) -> str:
+    return f"reference-{role}-{port}"
+
+
 def monolithic(model: str, port: int, cpu: str, **kwargs) -> Instance:
     return Instance("monolithic", [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
                                    *vllm_args(port, **kwargs)], port, cpu)
@@ -150,12 +175,15 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push") -> Instance:
-    """The push-aware router over (P url, P side-channel port) pairs and D urls."""
+def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push",
+           engine_ids: list[str] | None = None) -> Instance:
+    """The push-aware router over (P url, P side-channel port) pairs and D urls; ``engine_ids``
+    (one per P) for the vllm-push mode."""
     command = [sys.executable, "-m", "neuron_disagg.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                "--mode", mode]
-    for url, side_port in prefill:
-        command += ["--prefill", f"{url},side_channel=127.0.0.1:{side_port}"]
+    for i, (url, side_port) in enumerate(prefill):
+        spec = f"{url},side_channel=127.0.0.1:{side_port}"
+        command += ["--prefill", spec + (f",engine_id={engine_ids[i]}" if engine_ids else "")]
     for url in decode:
         command += ["--decode", url]
     return Instance("router", command, port, cpu="0")

@@ -194,15 +194,16 @@ async def _add_instance(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _authorize(request)
     body = await _json_body(request)
-    unknown = set(body) - {"role", "url", "side_channel", "tp"}
+    unknown = set(body) - {"role", "url", "side_channel", "tp", "engine_id"}
     if unknown or not isinstance(body.get("url"), str):
         raise BadRequest("expected {\"role\": \"prefill\"|\"decode\", \"url\": \"http://...\", "
-                         "\"side_channel\": \"host:port\" (optional), \"tp\": n (optional)}"
+                         "\"side_channel\": \"host:port\" (optional), \"tp\": n (optional), "
+                         "\"engine_id\": \"id\" (optional)}"
                          + (f"; unknown fields {sorted(unknown)}" if unknown else ""),
                          code="invalid_instance")
     try:
         inst = make_instance(str(body.get("role")), body["url"], body.get("side_channel"),
-                             body.get("tp"), state.side_channel_port)
+                             body.get("tp"), state.side_channel_port, body.get("engine_id"))
     except InstanceSpecError as exc:
         raise BadRequest(str(exc), code="invalid_instance") from None
     state.pool.add(inst)

@@ -16,7 +16,7 @@ import sys
 from ..config import Config, ConfigError
 from .instances import Instance, InstanceSpecError, parse_instance_spec
 from .server import start_router
-from .settings import RouterSettings
+from .settings import MODES, RouterSettings
 
 API_KEY_ENV = "NEURON_DISAGG_ROUTER_API_KEY"
 _TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeout_s",
@@ -30,13 +30,15 @@ def _parser() -> argparse.ArgumentParser:
         prog="neuron-disagg router",
         description="Push-aware OpenAI-compatible router in front of vLLM prefill and decode instances.")
     parser.add_argument("--prefill", action="append", default=[], metavar="SPEC",
-                        help="a prefill instance, repeatable: URL[,side_channel=HOST:PORT][,tp=N]; "
-                             "side_channel defaults to the URL's host and the config's side_channel_port")
+                        help="a prefill instance, repeatable: URL[,side_channel=HOST:PORT][,tp=N]"
+                             "[,engine_id=ID]; side_channel defaults to the URL's host and the config's "
+                             "side_channel_port; engine_id only for a P running vLLM's NixlPushConnector")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode instance, repeatable")
-    parser.add_argument("--mode", choices=("push", "pull"),
+    parser.add_argument("--mode", choices=MODES,
                         help="KV transfer mode (default: the config's mode); a request may override "
-                             "it with a top-level \"disagg_mode\" field")
+                             "it with a top-level \"disagg_mode\" field. vllm-push and vllm-pull "
+                             "drive instances running vLLM's own NixlPushConnector / NixlConnector")
     parser.add_argument("--config", metavar="FILE", help="the deployment config shared with the instances")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -69,6 +71,11 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, argp
     dupes = sorted({u for u in urls if urls.count(u) > 1})
     if dupes:
         raise InstanceSpecError(f"instance(s) given more than once: {', '.join(dupes)}")
+    if settings.mode == "vllm-push":
+        missing = [i.url for i in instances if i.role == "prefill" and not i.engine_id]
+        if missing:
+            raise InstanceSpecError(f"--mode vllm-push needs engine_id=ID on every --prefill (the engine_id "
+                                    f"in that P's --kv-transfer-config); missing on {', '.join(missing)}")
     return settings, instances, config, args
 
 

@@ -29,7 +29,7 @@ from .legs import DecodeLeg, prefill_leg
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_body, pull_decode_params,
                        push_decode_params)
-from .settings import Mode, RouterSettings
+from .settings import PUSH_MODES, Mode, RouterSettings
 
 logger = logging.getLogger("neuron_disagg.router")
 
@@ -70,7 +70,7 @@ class Flows:
         p_task: asyncio.Task | None = None
         d_leg: DecodeLeg | None = None
         try:
-            if req.mode == "push":
+            if req.mode in PUSH_MODES:
                 d_leg, p_task = await self._push(req, ctx)
             else:
                 d_leg = await self._pull(req, ctx)
@@ -113,8 +113,9 @@ class Flows:
             d = self._pick("decode")
             tid = format_transfer_id(ctx.transfer_base, attempt)
             ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
-            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, "push"))
-            d_leg = self._decode_leg(req, ctx, d, push_decode_params(tid, p.side_channel, p.tp))
+            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode))
+            d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
+                req.mode, tid, p.side_channel, p.tp, p.engine_id, req.path))
             d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
             committed = False
             try:
@@ -132,7 +133,7 @@ class Flows:
                     raise exc
                 ctx.log.warning("transfer_id=%s: P %s failed (%s); cancelled D %s, retrying on "
                                 "another P", tid, p.url, getattr(exc, "code", exc), d.url)
-                self.metrics.retries.labels("push", getattr(exc, "code", "error")).inc()
+                self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
             finally:
                 if not committed:
                     await _cancel(p_task, d_task)
@@ -148,7 +149,7 @@ class Flows:
             tid = format_transfer_id(ctx.transfer_base, attempt)
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
             try:
-                answer = await self._prefill(req, ctx, p, tid, "pull")
+                answer = await self._prefill(req, ctx, p, tid, req.mode)
                 break
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
@@ -156,7 +157,7 @@ class Flows:
                     raise
                 ctx.log.warning("transfer_id=%s: P %s failed (%s); retrying on another P",
                                 tid, p.url, getattr(exc, "code", exc))
-                self.metrics.retries.labels("pull", getattr(exc, "code", "error")).inc()
+                self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
             attempt += 1
         p_params = answer.get("kv_transfer_params")
         if not isinstance(p_params, dict):
@@ -166,7 +167,7 @@ class Flows:
                 f"{type(p_params).__name__}); is it running the neuron_disagg connector?",
                 code="prefill_no_kv_transfer_params", instance=p)
         d = self._pick("decode")  # late decode choice: the point of pull
-        d_leg = self._decode_leg(req, ctx, d, pull_decode_params(tid, p_params))
+        d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params))
         try:
             await self._open_decode(d_leg, req, ctx, tid)
         except BaseException:
@@ -203,11 +204,11 @@ class Flows:
                 self._failed(ctx, tid, exc)
                 raise
 
-    def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance,
+    def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance, tid: str,
                     params: dict[str, Any]) -> DecodeLeg:
         s = self.settings
-        return DecodeLeg(self.session, self.pool, d, req.path, decode_body(req, params),
-                         {**ctx.headers, "X-Request-Id": params["transfer_id"]},
+        return DecodeLeg(self.session, self.pool, d, req.path, decode_body(req, params), tid,
+                         {**ctx.headers, "X-Request-Id": tid},
                          connect_timeout_s=s.connect_timeout_s,
                          first_byte_timeout_s=s.decode_first_byte_timeout_s,
                          idle_timeout_s=s.decode_idle_timeout_s)

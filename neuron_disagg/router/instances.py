@@ -20,7 +20,8 @@ from .errors import Conflict, NoInstance, NotFound
 from .selection import pick_decode, pick_prefill
 
 Role = Literal["prefill", "decode"]
-SPEC_FORM = "URL[,side_channel=HOST:PORT][,tp=N], e.g. http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8"
+SPEC_FORM = ("URL[,side_channel=HOST:PORT][,tp=N][,engine_id=ID], e.g. "
+             "http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8")
 
 
 class InstanceSpecError(ValueError):
@@ -43,6 +44,7 @@ class Instance:
     url: str
     side_channel: str
     tp: int = 1
+    engine_id: str | None = None  # a P running vLLM's NixlPushConnector: its kv engine_id
     healthy: bool = True
     failed_checks: int = 0
     in_flight: int = 0          # legs this router has open on the instance
@@ -56,6 +58,8 @@ class Instance:
                                "in_flight": self.in_flight}
         if self.role == "prefill":
             out.update(side_channel=self.side_channel, tp=self.tp, prompt_tokens=self.prompt_tokens)
+            if self.engine_id:
+                out["engine_id"] = self.engine_id
         if self.engine is not None:
             out["engine"] = {"running": self.engine.running, "waiting": self.engine.waiting,
                              "kv_cache_usage": self.engine.kv_cache_usage}
@@ -81,7 +85,7 @@ def _check_side_channel(value: str) -> str:
 
 
 def make_instance(role: str, url: str, side_channel: str | None, tp: int | str | None,
-                  default_side_channel_port: int) -> Instance:
+                  default_side_channel_port: int, engine_id: str | None = None) -> Instance:
     """Validates one instance description (from a spec or the admin endpoint)."""
     if role not in ("prefill", "decode"):
         raise InstanceSpecError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -95,7 +99,10 @@ def make_instance(role: str, url: str, side_channel: str | None, tp: int | str |
         tp_size = 0
     if tp_size < 1 or isinstance(tp, bool):
         raise InstanceSpecError(f"tp must be a positive integer, got {tp!r}")
-    return Instance(role, str(parsed), _check_side_channel(side_channel), tp_size)  # type: ignore[arg-type]
+    if engine_id is not None and (not isinstance(engine_id, str) or not engine_id.strip()):
+        raise InstanceSpecError(f"engine_id must be a non-empty string, got {engine_id!r}")
+    return Instance(role, str(parsed), _check_side_channel(side_channel), tp_size,  # type: ignore[arg-type]
+                    engine_id.strip() if engine_id else None)
 
 
 def parse_instance_spec(role: str, spec: str, default_side_channel_port: int) -> Instance:
@@ -105,11 +112,11 @@ def parse_instance_spec(role: str, spec: str, default_side_channel_port: int) ->
     values: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or key not in ("side_channel", "tp") or key in values:
+        if not sep or key not in ("side_channel", "tp", "engine_id") or key in values:
             raise InstanceSpecError(f"bad option {option!r} in --{role} {spec!r}; expected {SPEC_FORM}")
         values[key] = value
     return make_instance(role, url, values.get("side_channel"), values.get("tp"),
-                         default_side_channel_port)
+                         default_side_channel_port, values.get("engine_id"))
 
 
 @dataclass

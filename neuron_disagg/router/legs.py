@@ -87,10 +87,10 @@ class DecodeLeg:
     always calls ``close``."""
 
     def __init__(self, session: aiohttp.ClientSession, pool: InstancePool, inst: Instance,
-                 path: str, body: dict[str, Any], headers: dict[str, str], *,
+                 path: str, body: dict[str, Any], transfer_id: str, headers: dict[str, str], *,
                  connect_timeout_s: float, first_byte_timeout_s: float, idle_timeout_s: float):
         self.inst = inst
-        self.transfer_id = str(body["kv_transfer_params"]["transfer_id"])
+        self.transfer_id = transfer_id
         self._session, self._pool = session, pool
         self._url, self._body, self._headers = inst.url + path, body, headers
         self._connect_timeout_s = connect_timeout_s

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import BadRequest
-from .settings import Mode
+from .settings import MODES, Mode
 
 # P's answer is discarded, so P generates one token and does not stream; options that only make
 # sense with streaming or with more tokens would make vLLM refuse P's leg.
@@ -41,8 +41,8 @@ def parse_client_request(path: str, raw: bytes, default_mode: Mode) -> ClientReq
         raise BadRequest("field 'model' is required and must be a non-empty string",
                          code="missing_model")
     mode = body.pop("disagg_mode", default_mode)
-    if mode not in ("push", "pull"):
-        raise BadRequest(f"field 'disagg_mode' must be 'push' or 'pull', got {mode!r}",
+    if mode not in MODES:
+        raise BadRequest(f"field 'disagg_mode' must be one of {', '.join(MODES)}, got {mode!r}",
                          code="invalid_disagg_mode")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -102,8 +102,11 @@ def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str) -> dict[str, 
     body.update(max_tokens=1, stream=False)
     if "max_completion_tokens" in body:  # vLLM prefers it over max_tokens for chat
         body["max_completion_tokens"] = 1
-    body["kv_transfer_params"] = {"neuron_disagg": 1, "role": "prefill", "mode": mode,
-                                  "transfer_id": transfer_id}
+    if mode.startswith("vllm-"):  # vLLM's connectors match P and D by the X-Request-Id header
+        body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    else:
+        body["kv_transfer_params"] = {"neuron_disagg": 1, "role": "prefill", "mode": mode,
+                                      "transfer_id": transfer_id}
     return body
 
 
@@ -113,12 +116,26 @@ def decode_body(req: ClientRequest, params: dict[str, Any]) -> dict[str, Any]:
     return {**req.body, "kv_transfer_params": params}
 
 
-def push_decode_params(transfer_id: str, p_side_channel: str, p_tp: int) -> dict[str, Any]:
+def vllm_request_id(path: str, x_request_id: str) -> str:
+    """The id vLLM's OpenAI server gives the engine request for a one-prompt body sent with this
+    X-Request-Id header (before the engine's random suffix, which vLLM's connectors ignore)."""
+    return f"chatcmpl-{x_request_id}" if path.endswith("/chat/completions") else f"cmpl-{x_request_id}-0"
+
+
+def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: int,
+                       p_engine_id: str | None = None, path: str = "/v1/completions") -> dict[str, Any]:
+    if mode == "vllm-push":  # vLLM's D crashes its engine without remote_request_id
+        host, _, port = p_side_channel.rpartition(":")
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p_engine_id,
+                "remote_request_id": vllm_request_id(path, transfer_id),
+                "remote_host": host.strip("[]"), "remote_port": int(port), "tp_size": p_tp}
     return {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": transfer_id,
             "p_side_channel": p_side_channel, "p_tp_size": p_tp}
 
 
-def pull_decode_params(transfer_id: str, p_params: dict[str, Any]) -> dict[str, Any]:
+def pull_decode_params(mode: Mode, transfer_id: str, p_params: dict[str, Any]) -> dict[str, Any]:
     """P's returned ``kv_transfer_params`` pass through verbatim (and win on a clash)."""
+    if mode == "vllm-pull":
+        return dict(p_params)
     return {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": transfer_id,
             **p_params}

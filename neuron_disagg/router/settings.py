@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import ConfigError
 
-Mode = Literal["push", "pull"]
+# "vllm-push" and "vllm-pull" drive vLLM's own NixlPushConnector and NixlConnector (P and D run
+# those instead of ours): the same router and load, so the benchmark compares connectors only.
+Mode = Literal["push", "pull", "vllm-push", "vllm-pull"]
+MODES: tuple[Mode, ...] = ("push", "pull", "vllm-push", "vllm-pull")
+PUSH_MODES: frozenset[str] = frozenset({"push", "vllm-push"})
 
 
 class RouterSettings(BaseModel):

@@ -98,7 +98,7 @@ async def cluster(prefill: int = 1, decode: int = 1, **settings: Any) -> AsyncIt
     prefills = [await FakeVllm("prefill", board, f"p{i}").start() for i in range(prefill)]
     decodes = [await FakeVllm("decode", board, f"d{i}").start() for i in range(decode)]
     settings = {"health_interval_s": 3600.0, "connect_timeout_s": 2.0, **settings}
-    instances = [make_instance("prefill", f.url, f"127.0.0.1:{5600 + i}", i + 1, 5600)
+    instances = [make_instance("prefill", f.url, f"127.0.0.1:{5600 + i}", i + 1, 5600, f"engine-p{i}")
                  for i, f in enumerate(prefills)]
     instances += [make_instance("decode", f.url, None, None, 5600) for f in decodes]
     router = await start_router(RouterSettings.build(**settings), instances, shutdown_timeout_s=0.5)

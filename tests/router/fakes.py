@@ -40,7 +40,12 @@ class Received:
 
     @property
     def transfer_id(self) -> str | None:
-        return self.params.get("transfer_id")
+        """Ours carry it in kv_transfer_params; vLLM's connectors match legs by X-Request-Id."""
+        return self.params.get("transfer_id") or self.headers.get("X-Request-Id")
+
+    @property
+    def reference(self) -> bool:
+        return "do_remote_decode" in self.params or "do_remote_prefill" in self.params
 
 
 class FakeVllm:
@@ -67,6 +72,12 @@ class FakeVllm:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def reference_params(self) -> dict[str, Any]:
+        """What vLLM's NixlConnector P answers with (the fields a D needs to read)."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [7, 8],
+                "remote_engine_id": f"engine-{self.name}", "remote_request_id": "cmpl-x-0",
+                "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
 
     def pull_params(self) -> dict[str, Any]:
         return {"remote_engine_id": f"engine-{self.name}", "remote_block_ids": [3, 4, 5],
@@ -123,10 +134,17 @@ class FakeVllm:
             self.board.ready[tid].set()
             rec.finished_at = time.monotonic()
             answer = _completion(rec, "P", self.name)
-            pull = rec.params.get("mode") == "pull"
-            answer["kv_transfer_params"] = self.pull_params() if pull and not self.omit_kv_params else None
+            if self.omit_kv_params:
+                answer["kv_transfer_params"] = None
+            elif rec.reference:
+                answer["kv_transfer_params"] = self.reference_params()
+            elif rec.params.get("mode") == "pull":
+                answer["kv_transfer_params"] = self.pull_params()
+            else:
+                answer["kv_transfer_params"] = None
             return web.json_response(answer)
-        if rec.params.get("mode") == "push" and self.wait_for_kv:
+        pushed = rec.params.get("mode") == "push" or (rec.reference and "remote_block_ids" not in rec.params)
+        if pushed and self.wait_for_kv:
             await self.board.ready[tid].wait()
         if not rec.body.get("stream"):
             rec.finished_at = time.monotonic()

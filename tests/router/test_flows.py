@@ -128,3 +128,36 @@ async def test_stream_broken_mid_way_ends_with_an_error_event():
         assert len(events) == 3
         error = json.loads(events[-1])["error"]
         assert error["code"] == "decode_stream_broken" and error["type"] == "upstream_error"
+
+
+async def test_vllm_push_drives_vllms_connector_with_its_own_params_and_one_request_id():
+    """vLLM's NixlPushConnector pairs P and D by X-Request-Id and needs P's engine id and side
+    channel: the reference mode for the side-by-side benchmark."""
+    async with cluster(prefill=1, decode=1, mode="vllm-push") as c:
+        p, d = c.prefills[0], c.decodes[0]
+        p.hold = asyncio.Event()
+        task = asyncio.create_task(c.post("/v1/completions", completion(max_tokens=5)))
+        await until(lambda: p.requests and d.requests, "both legs to arrive")
+        assert p.requests[0].finished_at is None  # D registered while P computes
+        p.hold.set()
+        status, _, answer = await task
+        assert status == 200, answer
+        pr, dr = p.requests[0], d.requests[0]
+        assert pr.params == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert dr.params == {"do_remote_prefill": True, "do_remote_decode": False,
+                             "remote_engine_id": "engine-p0", "remote_host": "127.0.0.1",
+                             "remote_request_id": f"cmpl-{pr.headers['X-Request-Id']}-0",
+                             "remote_port": 5600, "tp_size": 1}
+        assert pr.headers["X-Request-Id"] == dr.headers["X-Request-Id"]
+        assert pr.body["max_tokens"] == 1 and dr.body["max_tokens"] == 5
+
+
+async def test_vllm_pull_passes_prefills_answer_to_decode_verbatim():
+    async with cluster(prefill=1, decode=1, mode="vllm-pull") as c:
+        p, d = c.prefills[0], c.decodes[0]
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200, answer
+        pr, dr = p.requests[0], d.requests[0]
+        assert pr.finished_at is not None and dr.at >= pr.finished_at
+        assert pr.params == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert dr.params == p.reference_params()

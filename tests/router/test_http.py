@@ -20,7 +20,7 @@ _ANY = {"model": "fake-model", "prompt": "x"}
     ("/v1/completions", b'{"model": "m", "prompt": [1, "a"]}', "invalid_prompt", "list of token ids"),
     ("/v1/completions", b'{"model": "m", "prompt": "a", "stream": "yes"}', "invalid_stream", "true or false"),
     ("/v1/completions", b'{"model": "m", "prompt": "a", "disagg_mode": "teleport"}',
-     "invalid_disagg_mode", "'push' or 'pull'"),
+     "invalid_disagg_mode", "push, pull, vllm-push, vllm-pull"),
     ("/v1/chat/completions", b'{"model": "m"}', "missing_messages", "'messages' is required"),
     ("/v1/chat/completions", b'{"model": "m", "messages": ["hi"]}', "invalid_messages", "messages[0]"),
 ])

@@ -19,7 +19,8 @@ def test_instance_specs():
     p = parse_instance_spec("prefill", "http://10.0.0.5:8100/", 5600)
     assert (p.url, p.side_channel, p.tp) == ("http://10.0.0.5:8100", "10.0.0.5:5600", 1)
     p = parse_instance_spec("prefill", "http://h:8100, side_channel=h2:7000 ,tp=8", 5600)
-    assert (p.side_channel, p.tp) == ("h2:7000", 8)
+    assert (p.side_channel, p.tp, p.engine_id) == ("h2:7000", 8, None)
+    assert parse_instance_spec("prefill", "http://h:8100,engine_id=ref-p", 5600).engine_id == "ref-p"
     assert parse_instance_spec("decode", "http://[::1]:8200", 6000).side_channel == "[::1]:6000"
     for bad, words in (("10.0.0.5:8100", "http:// or https://"), ("http://h:1,tp=0", "tp must be"),
                        ("http://h:1,side_channel=h", "HOST:PORT"), ("http://h:1,zone=a", "bad option"),
@@ -104,6 +105,8 @@ def test_cli_builds_settings_from_flags_config_and_environment(tmp_path, monkeyp
     (["--decode", "http://h:1", "--decode", "http://h:1/"], "more than once"),
     (["--health-interval-s", "-1"], "health_interval_s"),
     (["--config", "/nonexistent/x.yaml"], "cannot read config file"),
+    (["--mode", "vllm-push", "--prefill", "http://h:1,side_channel=h:5600"], "engine_id=ID on every --prefill"),
+    (["--prefill", "http://h:1,engine_id="], "engine_id must be a non-empty string"),
 ])
 def test_cli_rejects_bad_input_with_status_2(argv, words, capsys):
     assert cli.main(argv) == 2
