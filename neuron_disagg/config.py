@@ -50,6 +50,8 @@ class Config(BaseModel):
     backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
     platform: Literal["auto", "neuron", "cuda", "cpu"] = "auto"
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024)
+    timeline_dir: Path | None = Field(None, description="append per-transfer timestamps here (for the "
+                                      "TTFT breakdown of the demo and the benchmark); off when unset")
 
     @model_validator(mode="after")
     def _heartbeats_fit_in_lease(self) -> "Config":

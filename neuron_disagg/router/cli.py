@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", help=f"clients must send it as a Bearer token (prefer the "
                                           f"{API_KEY_ENV} environment variable: flags show in ps)")
+    parser.add_argument("--timeline-dir", metavar="DIR",
+                        help=RouterSettings.model_fields["timeline_dir"].description)
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     defaults = RouterSettings()
@@ -62,6 +64,7 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, argp
     settings = RouterSettings.build(
         mode=args.mode or config.mode,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        timeline_dir=args.timeline_dir,
         **{name: getattr(args, name) for name in _TUNABLES})
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")

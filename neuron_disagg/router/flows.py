@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -29,6 +29,7 @@ from .legs import DecodeLeg, prefill_leg
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_body, pull_decode_params,
                        push_decode_params)
+from ..timeline import Timeline
 from .settings import PUSH_MODES, Mode, RouterSettings
 
 logger = logging.getLogger("neuron_disagg.router")
@@ -48,6 +49,7 @@ class RequestContext:
     headers: dict[str, str]  # forwarded to instances (the client's Authorization)
     arrived: float           # monotonic
     log: RequestLog
+    arrived_at: float = field(default_factory=time.time)  # wall clock, for the timeline
 
 
 async def _cancel(*tasks: asyncio.Task) -> None:
@@ -60,6 +62,7 @@ class Flows:
     def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, settings: RouterSettings,
                  metrics: RouterMetrics):
         self.pool, self.session, self.settings, self.metrics = pool, session, settings, metrics
+        self.timeline = Timeline(settings.timeline_dir, "router")
         self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
                                                 sock_connect=settings.connect_timeout_s)
 
@@ -112,6 +115,7 @@ class Flows:
             p = self._pick("prefill", tried)
             d = self._pick("decode")
             tid = format_transfer_id(ctx.transfer_base, attempt)
+            self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
             p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode))
             d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
@@ -147,6 +151,7 @@ class Flows:
         while True:
             p = self._pick("prefill", tried)
             tid = format_transfer_id(ctx.transfer_base, attempt)
+            self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
             try:
                 answer = await self._prefill(req, ctx, p, tid, req.mode)
@@ -220,6 +225,7 @@ class Flows:
         except RouterError as exc:
             self._failed(ctx, tid, exc)
             raise
+        self.timeline.mark(tid, "router_first_byte")
         ctx.log.debug("transfer_id=%s: first byte from D %s", tid, leg.inst.url)
 
     async def _relay(self, request: web.Request, req: ClientRequest, ctx: RequestContext,

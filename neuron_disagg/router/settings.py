@@ -48,6 +48,8 @@ class RouterSettings(BaseModel):
     prefill_retries: int = Field(1, ge=0, le=5, description="P legs retried on another P")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     upstream_connection_limit: int = Field(0, ge=0, description="0: unlimited")
+    timeline_dir: str | None = Field(None, min_length=1, description="append each transfer's arrival "
+                                     "and first-byte times here (see neuron_disagg.timeline)")
 
     @classmethod
     def build(cls, **values: object) -> "RouterSettings":

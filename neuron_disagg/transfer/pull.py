@@ -90,6 +90,7 @@ class PullReader(_Reports, TransferThread):
     def _poll(self) -> None:
         done, failed = self.reads.poll()
         for tid in done:
+            self.timeline.mark(tid, "d_read_done")
             self._perform(self.core.read_done(tid, time.time()))
         for tid, reason in failed:
             self._perform(self.core.read_failed(tid, reason, time.time()))
@@ -123,8 +124,11 @@ class PullReader(_Reports, TransferThread):
         if not parts:  # a full prefix hit: nothing to read; tell P it may free
             self.peers.send(submit.p_side_channel, tuple(submit.plans), ReadFailed(
                 submit.transfer_id, self.core.tp_rank, self.core.tp_size, "nothing to read"))
+            for event in ("d_read_posted", "d_read_done"):
+                self.timeline.mark(submit.transfer_id, event)
             return self._perform(self.core.read_done(submit.transfer_id, time.time()))
         error = self.reads.submit(submit.transfer_id, "READ", parts, self.codec.encode(submit.notification))
+        self.timeline.mark(submit.transfer_id, "d_read_posted")
         if error:
             self._perform(self.core.read_failed(submit.transfer_id, error, time.time()))
 

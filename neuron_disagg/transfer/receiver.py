@@ -82,6 +82,7 @@ class PushReceiver(TransferThread):
         if not isinstance(message, WriteDone):
             self.rejected["unexpected"] += 1
             return
+        self.timeline.mark(message.transfer_id, "d_notified")
         self._perform(self.core.verdict(message, time.time()))
 
     def _perform(self, actions) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from ..protocol.actions import Transitioned
+from ..timeline import OFF, Timeline
 from .peers import Peers
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ _STOP = object()
 
 
 class TransferThread:
+    timeline: Timeline = OFF  # set before start() to record per-transfer timestamps
     def __init__(self, name: str, peers: Peers, tick_interval_s: float = 0.05,
                  poll_interval_s: float = 0.0005):
         self.peers = peers

@@ -63,6 +63,7 @@ class PushWriter(TransferThread):
     def _poll(self) -> None:
         done, failed = self.writes.poll()
         for tid in done:
+            self.timeline.mark(tid, "p_write_done")
             self.stats["done"] += 1
             self._perform(self.core.write_done(tid, time.time()))
         for tid, reason in failed:
@@ -81,6 +82,8 @@ class PushWriter(TransferThread):
             message = item[1]
             handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
                        Cancel: self.core.cancel}[type(message)]
+            if isinstance(message, Registration):
+                self.timeline.mark(message.transfer_id, "p_registration")
             self._perform(handler(message, now))
         elif kind == "peer_ready":
             for tid, reason in self.writes.peer_ready(item[1], item[2]):
@@ -110,9 +113,12 @@ class PushWriter(TransferThread):
         self.stats["writes"] += 1
         if not submit.plan.writes:  # full prefix hit on D: nothing to move, only the notice
             self.peers.send(submit.d_side_channel, (0,), submit.notification)
+            for event in ("p_write_posted", "p_write_done"):
+                self.timeline.mark(submit.transfer_id, event)
             return self._perform(self.core.write_done(submit.transfer_id, time.time()))
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
         error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))
+        self.timeline.mark(submit.transfer_id, "p_write_posted")
         if error:
             self._failed(submit.transfer_id, error)
 

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ..config import Config
 from ..protocol.wire import WireCodec
+from ..timeline import Timeline
 from .metadata import RankHandshake, StepMetadata
 from .scheduler import OfferMaker, SchedulerSide
 from .stats import ConnectorPromMetrics, ConnectorStats
@@ -40,7 +41,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         self.worker_side: WorkerSide | None = None
         self._engine_id = transfer.engine_id
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size)
+            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size, timeline=Timeline(
+                self.config.timeline_dir, f"{_ROLES[transfer.kv_role]}-scheduler"))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
+from ..timeline import OFF, Timeline
 
 from . import params as leg_params
 from .metadata import Registration, StepMetadata
@@ -58,8 +59,9 @@ class Leg:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, offers: "OfferMaker | None" = None):
+    def __init__(self, block_size: int, offers: "OfferMaker | None" = None, timeline: Timeline = OFF):
         self.block_size = block_size
+        self.timeline = timeline
         self.offers = offers  # pull mode on P: None until the workers' handshake arrived
         self.legs: dict[str, Leg] = {}
         self.rejected = 0  # requests whose kv_transfer_params we could not honour
@@ -78,6 +80,9 @@ class SchedulerSide:
                 return None
             state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
             leg = self.legs[request.request_id] = Leg(request.request_id, parsed, state)
+            arrived = getattr(request, "arrival_time", None)
+            if arrived is not None:
+                self.timeline.mark(parsed.transfer_id, f"{parsed.role[0]}_arrived", arrived)
         return leg
 
     # -- D ---------------------------------------------------------------------------------------------
@@ -94,6 +99,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         leg = self.legs.get(request.request_id)
+        if leg is not None and leg.state is LegState.PREFILLING:
+            self.timeline.mark(leg.params.transfer_id, "p_scheduled")
         if leg is None or num_external_tokens == 0 or leg.state is not LegState.WAITING_FOR_BLOCKS:
             return
         first = leg.local_hit_tokens // self.block_size
@@ -105,6 +112,7 @@ class SchedulerSide:
         else:
             self._step.read.append((registration, base64.b64decode(leg.params.offer)))
         leg.state = LegState.LOADING
+        self.timeline.mark(leg.params.transfer_id, "d_allocated")
 
     # -- both ------------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -115,6 +123,7 @@ class SchedulerSide:
         if leg.params.role == "prefill":
             if "ABORTED" not in status and "ERROR" not in status and block_ids:
                 leg.state = LegState.HANDED_OFF
+                self.timeline.mark(tid, "p_kv_ready")
                 if leg.params.mode == "push":
                     self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
                     return True, None  # the writer frees them; we hear of it in finished_sending
@@ -151,6 +160,8 @@ class SchedulerSide:
                 del self.legs[request_id]
             else:
                 leg.state = LegState.FAILED if request_id in failed else LegState.LOADED
+                if leg.state is LegState.LOADED:
+                    self.timeline.mark(leg.params.transfer_id, "d_loaded")
         for request_id in output.finished_sending or ():
             leg = self.legs.get(request_id)
             if leg is not None and leg.state is LegState.HANDED_OFF:

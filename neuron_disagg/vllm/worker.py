@@ -24,6 +24,7 @@ from ..protocol.messages import (
 from ..protocol.producer import ProducerCore
 from ..protocol.pull import LenderCore, ReaderCore
 from ..protocol.wire import WireCodec
+from ..timeline import Timeline
 from ..transfer.peers import Peers
 from ..transfer.pull import PullLender, PullReader
 from ..transfer.receiver import PushReceiver
@@ -102,6 +103,7 @@ class WorkerSide:
 
         self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port + self.tp_rank,
                                         self.codec, on_message, f"side-channel-{self.tp_rank}").start()
+        self.thread.timeline = self.pull.timeline = Timeline(t.timeline_dir, f"{self.role}-rank{self.tp_rank}")
         self.thread.start()
         self.pull.start()
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",

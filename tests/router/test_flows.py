@@ -161,3 +161,15 @@ async def test_vllm_pull_passes_prefills_answer_to_decode_verbatim():
         assert pr.finished_at is not None and dr.at >= pr.finished_at
         assert pr.params == {"do_remote_decode": True, "do_remote_prefill": False}
         assert dr.params == p.reference_params()
+
+
+async def test_router_marks_arrival_and_first_byte_on_the_timeline(tmp_path):
+    from neuron_disagg import timeline
+
+    async with cluster(prefill=1, decode=1, mode="push", timeline_dir=str(tmp_path)) as c:
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200, answer
+        tid = c.prefills[0].requests[0].transfer_id
+    events = timeline.load(tmp_path)[tid]
+    assert set(events) == {"router_arrived", "router_first_byte"}
+    assert 0 < events["router_first_byte"] - events["router_arrived"] < 20
