@@ -176,11 +176,11 @@ def free_port() -> int:
 
 
 def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push",
-           engine_ids: list[str] | None = None) -> Instance:
+           engine_ids: list[str] | None = None, timeline_dir: str | None = None) -> Instance:
     """The push-aware router over (P url, P side-channel port) pairs and D urls; ``engine_ids``
     (one per P) for the vllm-push mode."""
     command = [sys.executable, "-m", "neuron_disagg.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--mode", mode]
+               "--mode", mode, *(["--timeline-dir", timeline_dir] if timeline_dir else [])]
     for i, (url, side_port) in enumerate(prefill):
         spec = f"{url},side_channel=127.0.0.1:{side_port}"
         command += ["--prefill", spec + (f",engine_id={engine_ids[i]}" if engine_ids else "")]

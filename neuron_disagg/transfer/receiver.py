@@ -70,6 +70,8 @@ class PushReceiver(TransferThread):
         elif kind == "abort":
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "verdict":
+            if isinstance(item[1], WriteDone):
+                self.timeline.mark(item[1].transfer_id, "d_notified")
             self._perform(self.core.verdict(item[1], now))
 
     def _notification(self, sender: str, frame: bytes) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import secrets
+import tempfile
 import time
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from neuron_disagg import tiny_model  # noqa: E402
+from neuron_disagg import timeline, tiny_model  # noqa: E402
 from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -38,9 +39,11 @@ class Cluster:
         self.p_side = free_port()
         self.mono = monolithic(model, free_port(), "0", max_model_len=MAX_MODEL_LEN)
         self.secret = secret = secrets.token_hex(32)
-        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, PATIENT,
+        self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
+        on = {"timeline_dir": self.timeline_dir}
+        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, {**PATIENT, **on},
                                max_model_len=MAX_MODEL_LEN)
-        self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, TIMEOUTS,
+        self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, {**TIMEOUTS, **on},
                                max_model_len=MAX_MODEL_LEN)
 
     def all(self):
@@ -63,7 +66,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def routed(cluster):
-    instance = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port()).start()
+    instance = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port(),
+                      timeline_dir=cluster.timeline_dir).start()
     try:
         yield instance.wait_ready(60)
     finally:
@@ -282,6 +286,33 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
     want, direct, routed_out = run(scenario())
     assert direct == want
     assert routed_out == want
+    blocks_back(cluster)
+
+
+def test_timeline_splits_routed_push_and_pull_ttft_into_segments(cluster, routed):
+    """Router, schedulers and transfer threads of three processes mark one transfer; the segments
+    come out in causal order and add up to the router's TTFT."""
+    def send(mode: str) -> tuple[str, float]:
+        request_id = f"timeline-{mode}-{next(_ids)}"
+        start = time.monotonic()
+        r = httpx.post(f"{routed.url}/v1/completions", json=body(prompt(200, 51), 4, disagg_mode=mode),
+                       headers={"X-Request-Id": request_id}, timeout=120)
+        assert r.status_code == 200, r.text
+        return request_id, time.monotonic() - start
+
+    for mode, segments in (("push", timeline.PUSH_SEGMENTS), ("pull", timeline.PULL_SEGMENTS)):
+        request_id, client_s = send(mode)
+
+        def parts():
+            found = [t for t in timeline.load(cluster.timeline_dir) if t.startswith(request_id + ".")]
+            return timeline.breakdown(timeline.load(cluster.timeline_dir)[found[0]]) if found else None
+        wait_for(lambda: parts() is not None, 10, f"the {mode} transfer's timeline")
+        got = parts()
+        assert list(got) == [*segments, "ttft"], got
+        assert all(v > -0.002 for v in got.values()), got  # one clock; marks can tie within a ms
+        assert sum(v for k, v in got.items() if k != "ttft") == pytest.approx(got["ttft"])
+        assert 0 < got["ttft"] <= client_s
+        assert got["prefill"] > 0
     blocks_back(cluster)
 
 
