@@ -3,7 +3,9 @@
 Builds (once) a tiny random Qwen3 locally, starts P on core 0 and D on core 1 with the
 NeuronDisaggConnector (push mode over NIXL), starts the router in front of them, sends a few
 requests through the router in push and then in pull mode, and prints each answer with its time to
-first token, then the connector's transfer counters from both instances. Each answer is
+first token split into segments (``neuron_disagg.timeline``: router, P's queue, prefill, waiting
+for D's registration, hand-off to the writer, the write, until D's engine sees it, D's first step),
+then the connector's transfer counters from both instances. Each answer is
 checked against D computing the same prompt alone. Everything it started is stopped at the end,
 also on Ctrl-C.
 """
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import json
 import secrets
+import tempfile
 import time
 
 import httpx
 from rich.console import Console
 
-from . import tiny_model
+from . import timeline, tiny_model
 from .local_cluster import disaggregated, free_port, router
 
 PROMPTS = [
@@ -28,11 +31,12 @@ PROMPTS = [
 CONFIG = {"lease_s": 10, "heartbeat_interval_s": 2, "watchdog_s": 20, "max_write_s": 5}
 
 
-def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int, mode: str) -> tuple[str, float, float]:
+def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int, mode: str,
+            request_id: str) -> tuple[str, float, float]:
     body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "disagg_mode": mode}
     start, first, text = time.perf_counter(), None, []
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    with client.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -42,6 +46,15 @@ def _stream(client: httpx.Client, url: str, prompt: str, max_tokens: int, mode: 
                 first = first or time.perf_counter()
                 text.append(chunk["choices"][0]["text"])
     return "".join(text), (first - start) * 1e3, (time.perf_counter() - start) * 1e3
+
+
+def _breakdown(directory: str, request_id: str) -> str:
+    """The request's TTFT segments in ms, from the timeline every process wrote."""
+    events = [e for tid, e in timeline.load(directory).items() if tid.startswith(request_id + ".")]
+    parts = timeline.breakdown(events[-1]) if events else None
+    if parts is None:
+        return "(no complete timeline for this request)"
+    return " + ".join(f"{name.replace('_', ' ')} {ms * 1e3:.0f}" for name, ms in parts.items() if name != "ttft") + " ms"
 
 
 def _counters(instance) -> str:
@@ -68,9 +81,11 @@ def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
     with console.status("building the tiny model (once)..."):
         model = str(tiny_model.build())
     p_side = free_port()
-    p = disaggregated("prefill", model, free_port(), p_side, "0", secret, CONFIG)
-    d = disaggregated("decode", model, free_port(), free_port(), "1", secret, CONFIG)
-    r = router([(p.url, p_side)], [d.url], free_port())
+    marks = tempfile.mkdtemp(prefix="neuron-disagg-demo-timeline-")
+    config = {**CONFIG, "timeline_dir": marks}
+    p = disaggregated("prefill", model, free_port(), p_side, "0", secret, config)
+    d = disaggregated("decode", model, free_port(), free_port(), "1", secret, config)
+    r = router([(p.url, p_side)], [d.url], free_port(), timeline_dir=marks)
     started = []
     ok = True
     try:
@@ -88,13 +103,15 @@ def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
             for mode in ("push", "pull"):
                 console.print(f"[bold]{mode} mode[/]" + (" (P first; D reads P's KV after it finished)" if mode == "pull" else ""))
                 for i, prompt in enumerate(PROMPTS, 1):
-                    text, ttft, total = _stream(client, r.url, prompt, max_tokens, mode)
+                    request_id = f"demo-{mode}-{i}"
+                    text, ttft, total = _stream(client, r.url, prompt, max_tokens, mode, request_id)
                     alone = client.post(f"{d.url}/v1/completions", json={
                         "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}).json()
                     same = alone["choices"][0]["text"] == text
                     ok &= same
                     console.print(f"  request {i} ({len(prompt.split())} words): TTFT {ttft:.0f} ms, total {total:.0f} ms, "
                                   + ("[green]same tokens as D computing alone[/]" if same else "[red]DIFFERS from D alone[/]"))
+                    console.print(f"      TTFT = {_breakdown(marks, request_id)}")
                     console.print(f"      {text!r}")
         console.print(f"\nconnector counters on P: {_counters(p)}\nconnector counters on D: {_counters(d)}")
     except KeyboardInterrupt:
