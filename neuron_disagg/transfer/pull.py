@@ -23,6 +23,7 @@ from ..protocol.errors import MessageError
 from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from ..protocol.pull import AbortRead, LenderCore, ReaderCore, SubmitRead
 from ..protocol.wire import WireCodec
+from ..platforms.fence import KVFence
 from .inflight import InFlight, Part
 from .peers import Peers
 from .transport import Transport
@@ -65,8 +66,9 @@ class PullReader(_Reports, TransferThread):
         self._inbox.put(("offered", offer))
 
     def allocated(self, transfer_id: TransferId, local: RankRegions, block_ids: tuple[int, ...],
-                  first_block_index: int = 0) -> None:
-        self._inbox.put(("allocated", transfer_id, local, tuple(block_ids), first_block_index))
+                  first_block_index: int = 0, fence: KVFence | None = None) -> None:
+        """Engine: fresh destination blocks; no READ into them before ``fence`` (see PushReceiver)."""
+        self._inbox.put(("allocated", transfer_id, local, tuple(block_ids), first_block_index, fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(("abort", transfer_id, reason))
@@ -80,7 +82,9 @@ class PullReader(_Reports, TransferThread):
         if kind == "offered":
             self._perform(self.core.offered(item[1], now))
         elif kind == "allocated":
-            self._perform(self.core.allocated(*item[1:], now))
+            if item[5] is not None:
+                item[5].wait()
+            self._perform(self.core.allocated(*item[1:5], now))
         elif kind == "abort":
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "peer_ready":

@@ -20,6 +20,7 @@ from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import CancelAck, Registration, TransferId, WriteDone, WriteFailed
 from ..protocol.wire import WireCodec
+from ..platforms.fence import KVFence
 from .peers import Peers
 from .transport import Transport
 from .worker import TransferThread
@@ -41,8 +42,11 @@ class PushReceiver(TransferThread):
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
         self._inbox.put(("expect", transfer_id, p_side_channel, p_tp_size))
 
-    def allocated(self, registration: Registration) -> None:
-        self._inbox.put(("allocated", registration))
+    def allocated(self, registration: Registration, fence: KVFence | None = None) -> None:
+        """Engine: fresh destination blocks. With a ``fence`` (asynchronous accelerators: the engine
+        zeroes new blocks on its stream) P hears of them only once it passed, so no write of P's
+        lands before the zeroing."""
+        self._inbox.put(("allocated", registration, fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(("abort", transfer_id, reason))
@@ -66,6 +70,8 @@ class PushReceiver(TransferThread):
         if kind == "expect":
             self._perform(self.core.expect(item[1], item[2], item[3], now))
         elif kind == "allocated":
+            if item[2] is not None:
+                item[2].wait()
             self._perform(self.core.allocated(item[1], now))
         elif kind == "abort":
             self._perform(self.core.abort(item[1], item[2], now))

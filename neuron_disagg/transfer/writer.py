@@ -22,6 +22,7 @@ from ..protocol.actions import (
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
+from ..platforms.fence import KVFence
 from .peers import Peers
 from .inflight import InFlight, Part
 from .transport import Transport
@@ -42,9 +43,10 @@ class PushWriter(TransferThread):
                                self.stats)
 
     # -- called from other threads: queue puts only ------------------------------------------------
-    def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
-        """Engine: prefill of this request finished; its blocks are ours until ``on_free``."""
-        self._inbox.put(("kv_ready", transfer_id, tuple(block_ids)))
+    def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], fence: KVFence | None = None) -> None:
+        """Engine: prefill of this request finished; its blocks are ours until ``on_free``. With a
+        ``fence`` (recorded by the engine, asynchronous accelerators) nothing is written before it."""
+        self._inbox.put(("kv_ready", transfer_id, tuple(block_ids), fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(("abort", transfer_id, reason))
@@ -75,6 +77,8 @@ class PushWriter(TransferThread):
     def _handle(self, item: tuple, now: float) -> None:
         kind = item[0]
         if kind == "kv_ready":
+            if item[3] is not None:
+                item[3].wait()
             self._perform(self.core.kv_ready(item[1], item[2], now))
         elif kind == "abort":
             self._perform(self.core.abort(item[1], item[2], now))

@@ -93,6 +93,16 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, once at start-up: register the KV tensors and start the transfer threads."""
         self.worker_side.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Worker, each step before the forward: hand the step's work to the transfer threads now
+        (queue puts). vLLM calls start_load_kv and wait_for_save after the forward, so handing off
+        there would make a finished prefill's write wait for a whole further step; on CPU, where the
+        forward is synchronous, that is a whole prefill of another request."""
+        super().bind_connector_metadata(connector_metadata)
+        start = time.perf_counter()
+        self.worker_side.hand_off(connector_metadata)
+        self._step_seconds = time.perf_counter() - start
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Worker, each step: nothing to do here; loads are asynchronous on our threads."""
 
@@ -103,11 +113,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, per layer: nothing; P's KV is written once the request's prefill is done."""
 
     def wait_for_save(self) -> None:
-        """Worker, once per step after the forward: hand this step's work to the transfer threads."""
-        start = time.perf_counter()
-        if self.has_connector_metadata():
-            self.worker_side.hand_off(self._get_connector_metadata())
-        self._step_seconds = time.perf_counter() - start
+        """Worker, once per step after the forward: nothing; the step's work left in
+        bind_connector_metadata and writes never wait for the forward."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker, each step: requests whose blocks the threads released, loaded, or failed."""

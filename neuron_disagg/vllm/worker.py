@@ -65,6 +65,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches) -> None:
         self.regions = regions_from_kv_caches(kv_caches, self.tp_rank)
         platform, reason = select_platform(self.config.platform)
+        self.platform = platform
         backend = platform.nixl_backend(self.config.backend)
         log.info("neuron-disagg rank %d: %s", self.tp_rank, reason)
         self.transport = NixlTransport(self.agent_name, backend, platform.memory_type)
@@ -111,9 +112,12 @@ class WorkerSide:
 
     # -- each engine step (engine loop: queue puts only) ----------------------------------------------
     def hand_off(self, step: StepMetadata) -> None:
+        # One fence per step, recorded on the engine thread (never waited on here): the threads wait
+        # on it before reading finished KV or letting anything land in freshly allocated blocks.
+        fence = self.platform.wait_for_kv() if (step.kv_ready or step.register or step.read) else None
         for tid, request_id, blocks in step.kv_ready:
             self._request_of[tid] = request_id
-            self.thread.kv_ready(tid, blocks)
+            self.thread.kv_ready(tid, blocks, fence)
         for tid, p_side_channel, p_tp_size in step.expect:
             self.thread.expect(tid, p_side_channel, p_tp_size)
         for reg in step.register:
@@ -121,7 +125,7 @@ class WorkerSide:
             self.thread.allocated(Registration(
                 reg.transfer_id, self.engine_id, reg.request_id, self.address, self.tp_size,
                 (RankRegions(self.tp_rank, self.agent_name, self.regions),), reg.block_ids,
-                reg.first_block_index, 0.0))
+                reg.first_block_index, 0.0), fence)
         for tid, request_id, offer in step.lend:  # our own scheduler's offer: no need to verify it
             self._request_of[tid] = request_id
             self.pull.lend(offer)
@@ -138,7 +142,7 @@ class WorkerSide:
                 self._on_free(reg.transfer_id, reg.block_ids)
                 continue
             self.pull.offered(offer)
-            self.pull.allocated(reg.transfer_id, self.rank_regions, reg.block_ids, reg.first_block_index)
+            self.pull.allocated(reg.transfer_id, self.rank_regions, reg.block_ids, reg.first_block_index, fence)
         for tid, _role, reason in step.abort:
             self.thread.abort(tid, reason)
             self.pull.abort(tid, reason)

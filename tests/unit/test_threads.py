@@ -131,3 +131,57 @@ def test_threads_are_named_per_rank(ranks):
     p, d = ranks("prefill"), ranks("decode")
     names = {t.name for t in threading.enumerate()}
     assert "neuron-disagg-push-writer-0" in names and "neuron-disagg-push-receiver-0" in names
+
+
+class _HeldFence:
+    """A device fence the test releases: the KV is not in memory until then."""
+
+    def __init__(self):
+        self.passed = threading.Event()
+        self.waited = threading.Event()
+
+    def ready(self):
+        return self.passed.is_set()
+
+    def wait(self):
+        self.waited.set()
+        self.passed.wait(5)
+
+
+def test_writer_posts_nothing_before_the_engines_fence_passes(ranks):
+    p, d = ranks("prefill"), ranks("decode")
+    _register(d, p, ("fenced", 0), [1, 2])
+    time.sleep(0.2)  # the registration reaches P first: only the fence holds the write back
+    fence = _HeldFence()
+    p.peer.thread.kv_ready(TransferId("fenced"), (3, 4), fence)
+    assert fence.waited.wait(2)
+    time.sleep(0.2)
+    assert not any(e["event"] == "loaded" for e in d.events)
+    fence.passed.set()
+    d.wait("loaded", ("fenced", 0))
+
+
+def test_registration_reaches_prefill_only_after_the_decode_fence(ranks):
+    """D's engine zeroes fresh blocks on its stream: P must not hear of them (and write) before."""
+    from neuron_disagg.protocol import RankRegions, Registration
+
+    p, d = ranks("prefill"), ranks("decode")
+    tid = TransferId("zeroed")
+    d.expect(tid=[tid.request, tid.attempt], p_address=p.peer.address)
+    registrations = []
+    original = p.peer.server.on_message
+    p.peer.server.on_message = lambda m: (registrations.append(m) if isinstance(m, Registration) else None,
+                                          original(m))[1]
+    fence = _HeldFence()
+    peer = d.peer
+    reg = Registration(tid, peer.agent, "d-zeroed", peer.address, 1, (RankRegions(0, peer.agent, peer.regions),),
+                       (1, 2), 0, 0.0)
+    d.peer.thread.allocated(reg, fence)
+    assert fence.waited.wait(2)
+    time.sleep(0.2)
+    assert not registrations
+    fence.passed.set()
+    deadline = time.monotonic() + 2
+    while not registrations and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert registrations
