@@ -11,6 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["router"]:  # the router parses its own flags
         from .router.cli import main as router_main
         return router_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .bench.cli import main as bench_main
+        return bench_main(argv[1:])
     if argv[:1] == ["simulate"]:
         from .sim.cli import main as simulate_main
         return simulate_main(argv[1:])
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                            "with each request's timeline")
     demo.add_argument("--prefill-ms", type=float, default=20.0, help="--in-process: simulated prefill time")
     sub.add_parser("router", help="push-aware OpenAI-compatible proxy (see `neuron-disagg router --help`)")
+    sub.add_parser("bench", help="monolithic vs ours (push, pull) vs vLLM's NIXL connectors under load, "
+                                 "side by side (see `neuron-disagg bench --help`)")
     sub.add_parser("simulate", help="discrete-event model of push vs pull serving (see `neuron-disagg simulate --help`)")
     for name in ("launch", "status", "teardown"):
         sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")

@@ -22,10 +22,10 @@ from .config import Config
 
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
               block_size: int = 32, extra: tuple[str, ...] = ()) -> list[str]:
+    cache = ["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes else []
     return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-            "--max-model-len", str(max_model_len), "--block-size", str(block_size),
-            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager",
-            "--disable-uvicorn-access-log", *extra]
+            "--max-model-len", str(max_model_len), "--block-size", str(block_size), *cache,
+            "--enforce-eager", "--disable-uvicorn-access-log", *extra]
 
 
 @dataclass

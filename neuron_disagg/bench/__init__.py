@@ -1,0 +1,1 @@
+"""`neuron-disagg bench`: the side-by-side serving benchmark (topology, load, report, cli)."""

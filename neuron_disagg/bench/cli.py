@@ -1,0 +1,142 @@
+"""`neuron-disagg bench`: monolithic vLLM, our push, our pull and vLLM's own NixlPushConnector and
+NixlConnector, started locally one topology at a time and loaded with `vllm bench serve` over a grid
+of request rates x input lengths; writes JSON, Markdown and PNG plots to a results directory and
+prints each mode's ratio to the reference connector (vLLM's NixlConnector) and to monolithic.
+
+Defaults fit a 2-core CPU machine (the tiny local model, a few minutes). On real hardware pass the
+model, TP and the published workload, e.g. ``--model Qwen/Qwen3-32B --tp 8 --input-lens 16384
+--output-len 128 --rates 2,4,8 --kv-cache-bytes 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import tiny_model
+from . import report
+from .load import Load, RunResult, mean_step_us, run, scratch_dir, step_time
+from .topology import MODES, ServerSettings, groups, started
+
+
+def _list(kind, text: str, what: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be positive numbers, got {text!r}")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="neuron-disagg bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated (default {','.join(MODES)})")
+    p.add_argument("--rates", type=lambda t: _list(float, t, "--rates"), default=[1.0, 2.0],
+                   help="request rates, req/s (default 1,2)")
+    p.add_argument("--input-lens", type=lambda t: _list(int, t, "--input-lens"), default=[512],
+                   help="prompt lengths in tokens (default 512)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--prompts", type=int, default=16, help="requests per point (default 16)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; <1 burstier")
+    p.add_argument("--model", help="model path or name (default: the tiny local Qwen3, built once)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20,
+                   help="KV cache per instance (default 256 MiB for CPU); 0 leaves it to vLLM")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU needs a multiple of 32)")
+    p.add_argument("--vllm-args", default="", help="more `vllm serve` flags for every instance, quoted")
+    p.add_argument("--results", type=Path, help="results directory (default ./bench-results/<time>)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured pass per mode that absorbs kernel selection and NIXL handshakes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.prompts < 1 or args.output_len < 1 or args.tp < 1:
+        parser().error("--prompts, --output-len and --tp must be at least 1")
+    console = Console()
+    model = args.model or str(tiny_model.build())
+    extra = tuple(shlex.split(args.vllm_args)) + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ())
+    if args.max_model_len < max(args.input_lens) + args.output_len:
+        parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
+    server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra)
+    out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    raw_dir = scratch_dir()
+    loads = [Load(rate, n, args.output_len, args.prompts, args.burstiness)
+             for n in args.input_lens for rate in args.rates]
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
+            "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
+            "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes,
+            "vllm_args": list(extra), "raw": str(raw_dir)}
+    results: list[RunResult] = []
+    points = len(args.modes) * len(loads)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("starting", total=points)
+        for group in groups(args.modes):
+            progress.update(task, description=f"starting {' + '.join(group)}")
+            try:
+                with started(group, server) as topo:
+                    results += _measure(group, topo, loads, model, raw_dir, not args.no_warmup, progress, task)
+            except (RuntimeError, TimeoutError) as exc:  # one topology failing to start: the rest still run
+                console.print(f"[red]{' + '.join(group)} did not start:[/] {exc}")
+                for mode in group:
+                    for load in loads:
+                        results.append(RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts,
+                                                 error=f"did not start: {str(exc).splitlines()[0]}"))
+                        progress.advance(task)
+    written = report.write(results, meta, out_dir)
+    _print(console, results)
+    console.print("\n" + "\n".join(f"wrote {p}" for p in written))
+    return 0 if all(r.error is None and r.failed == 0 for r in results) else 1
+
+
+def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list[RunResult]:
+    out = []
+    for mode in group:
+        url = topo.urls[mode]
+        if warmup:
+            progress.update(task, description=f"{mode}: warm-up")
+            run(mode, url, model, loads[-1], raw_dir / "warmup")
+        for load in loads:
+            progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
+            steps = [step_time(i.url) for i in (topo.prefill, topo.decode) if i is not None and topo.timeline_dir]
+            result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
+            if steps:
+                result.prefill_step_us = mean_step_us(steps[0], step_time(topo.prefill.url))
+                result.decode_step_us = mean_step_us(steps[1], step_time(topo.decode.url))
+            out.append(result)
+            progress.advance(task)
+    return out
+
+
+def _print(console: Console, results: list[RunResult]) -> None:
+    header, *body = report.table(results)
+    t = Table(title="neuron-disagg bench (ratios measured side by side in this run)")
+    for title in header:
+        t.add_column(title, justify="left" if title == "mode" else "right")
+    for row in body:
+        t.add_row(*row)
+    console.print(t)
+    for r in results:
+        if r.breakdown_ms:
+            console.print(f"{r.mode} {r.rate} req/s in {r.input_len}: TTFT p50 segments "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in r.breakdown_ms.items() if k != "ttft") + " ms")
+        if r.error:
+            console.print(f"[red]{r.mode} {r.rate} req/s in {r.input_len}: {r.error}[/]")

@@ -1,0 +1,127 @@
+"""One measured run: `vllm bench serve` against a URL at one rate and input length (open-loop
+Poisson arrivals, random prompts, fixed output length, greedy), and what we read around it — the
+TTFT breakdown from the timeline and the connector's time per engine step from /metrics."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from .. import timeline
+
+
+@dataclass(frozen=True)
+class Load:
+    rate: float
+    input_len: int
+    output_len: int
+    prompts: int
+    burstiness: float = 1.0  # 1: Poisson; < 1 burstier (gamma arrivals)
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    mode: str
+    rate: float
+    input_len: int
+    output_len: int
+    prompts: int
+    completed: int = 0
+    failed: int = 0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    e2el_p50_ms: float | None = None
+    breakdown_ms: dict[str, float] | None = None  # median of each TTFT segment (our modes)
+    prefill_step_us: float | None = None  # our connector's mean time per engine step (our modes)
+    decode_step_us: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepTime:
+    """The connector's cumulative time on the engine loop, read from an instance's /metrics."""
+
+    seconds: float = 0.0
+    steps: float = 0.0
+
+
+def bench_serve(url: str, tokenizer: str, load: Load, out_dir: Path, name: str,
+                timeout_s: float = 3600) -> dict:
+    """Runs `vllm bench serve` and returns its saved JSON (with per-request details)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+               "--base-url", url, "--model", "tiny", "--tokenizer", tokenizer, "--dataset-name", "random",
+               "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+               "--request-rate", str(load.rate), "--burstiness", str(load.burstiness),
+               "--num-prompts", str(load.prompts), "--temperature", "0", "--ignore-eos",
+               "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+               "--seed", str(load.seed), "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+               "--result-filename", f"{name}.json"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm bench serve exited with {out.returncode}: {out.stderr.strip()[-800:]}")
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+def run(mode: str, url: str, tokenizer: str, load: Load, out_dir: Path,
+        timeline_dir: str | None = None) -> RunResult:
+    result = RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts)
+    started = time.time()
+    try:
+        raw = bench_serve(url, tokenizer, load, out_dir, f"{mode}-rate{load.rate}-in{load.input_len}")
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        result.error = str(exc)
+        return result
+    result.completed, result.failed = int(raw.get("completed", 0)), int(raw.get("failed", 0))
+    result.ttft_p50_ms, result.ttft_p99_ms = raw.get("median_ttft_ms"), raw.get("p99_ttft_ms")
+    result.tpot_p50_ms, result.e2el_p50_ms = raw.get("median_tpot_ms"), raw.get("median_e2el_ms")
+    if timeline_dir:
+        result.breakdown_ms = breakdown_between(timeline_dir, started, time.time())
+    return result
+
+
+def breakdown_between(directory: str, start: float, end: float) -> dict[str, float] | None:
+    """The median of each TTFT segment over the transfers that arrived at the router in
+    [start, end] — the run's own requests, as runs never overlap."""
+    parts = [b for events in timeline.load(directory).values()
+             if start <= events.get("router_arrived", -1) <= end
+             and (b := timeline.breakdown(events)) is not None]
+    if not parts:
+        return None
+    return {name: round(statistics.median(p[name] for p in parts) * 1e3, 2) for name in parts[0]}
+
+
+def step_time(url: str) -> StepTime:
+    """``neuron_disagg_connector_step_seconds`` summed over its labels (0 steps if not exported)."""
+    total = StepTime()
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return total
+    for line in text.splitlines():
+        if line.startswith("neuron_disagg_connector_step_seconds_sum"):
+            total.seconds += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("neuron_disagg_connector_step_seconds_count"):
+            total.steps += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def mean_step_us(before: StepTime, after: StepTime) -> float | None:
+    steps = after.steps - before.steps
+    return round((after.seconds - before.seconds) / steps * 1e6, 1) if steps > 0 else None
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="neuron-disagg-bench-raw-"))

@@ -1,0 +1,143 @@
+"""What `neuron-disagg bench` writes into its results directory — ``results.json``, ``results.md``
+and PNG plots — and the ratio table it prints. Pure functions of the run results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from .. import timeline
+from .load import RunResult
+from .topology import MODES, REFERENCE
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 2) if value and base else None
+
+
+def _find(results: list[RunResult], mode: str, rate: float, input_len: int) -> RunResult | None:
+    return next((r for r in results if (r.mode, r.rate, r.input_len) == (mode, rate, input_len)), None)
+
+
+def rows(results: list[RunResult]) -> list[dict]:
+    """One row per run with its ratios to the reference connector and to monolithic, side by side
+    from the same invocation."""
+    out = []
+    for r in results:
+        ref = _find(results, REFERENCE, r.rate, r.input_len)
+        mono = _find(results, "monolithic", r.rate, r.input_len)
+        out.append({
+            **r.to_json(),
+            "ttft_p50_vs_reference": ratio(r.ttft_p50_ms, ref.ttft_p50_ms if ref else None),
+            "ttft_p99_vs_reference": ratio(r.ttft_p99_ms, ref.ttft_p99_ms if ref else None),
+            "tpot_p50_vs_reference": ratio(r.tpot_p50_ms, ref.tpot_p50_ms if ref else None),
+            "ttft_p50_vs_monolithic": ratio(r.ttft_p50_ms, mono.ttft_p50_ms if mono else None),
+        })
+    return out
+
+
+def _fmt(value, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input", 0),
+                 ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0),
+                 ("tpot_p50_ms", "TPOT p50 ms", 1), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
+                 ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
+                 ("prefill_step_us", "P step us", 1), ("decode_step_us", "D step us", 1),
+                 ("completed", "ok", 0), ("failed", "failed", 0))
+
+
+def table(results: list[RunResult]) -> list[list[str]]:
+    """Header and rows of the comparison table (strings), in the run's order."""
+    header = [title for _, title, _ in TABLE_COLUMNS]
+    body = [[_fmt(row[key], digits) for key, _, digits in TABLE_COLUMNS] for row in rows(results)]
+    return [header, *body]
+
+
+def markdown(results: list[RunResult], meta: dict) -> str:
+    header, *body = table(results)
+    lines = [f"# neuron-disagg bench — {meta.get('started', '')}", "",
+             f"Model `{meta.get('model')}`; {meta.get('prompts')} requests per point, output "
+             f"{meta.get('output_len')} tokens, burstiness {meta.get('burstiness')} (1 = Poisson). "
+             f"Ratios are to `{REFERENCE}` (vLLM's NixlConnector) and to monolithic vLLM at the same "
+             "rate and input length, measured in this one run.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    broken = [r for r in results if r.breakdown_ms]
+    if broken:
+        segments = [s for s in (*timeline.PUSH_SEGMENTS, *timeline.PULL_SEGMENTS) if any(
+            s in r.breakdown_ms for r in broken)]
+        segments = list(dict.fromkeys(segments)) + ["ttft"]
+        lines += ["", "## TTFT breakdown (median ms per segment, our connector)", "",
+                  "| mode | req/s | input | " + " | ".join(segments) + " |", "|" + "---|" * (len(segments) + 3)]
+        for r in broken:
+            lines.append(f"| {r.mode} | {r.rate} | {r.input_len} | "
+                         + " | ".join(_fmt(r.breakdown_ms.get(s), 1) for s in segments) + " |")
+    errors = [r for r in results if r.error]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {r.mode} at {r.rate} req/s, input {r.input_len}: {r.error}"
+                                          for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: list[RunResult], out_dir: Path) -> list[Path]:
+    """TTFT p50/p99 and TPOT p50 against rate (one line per mode) per input length, and the
+    TTFT breakdown as stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for input_len in sorted({r.input_len for r in results}):
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+        for key, title, ax in (("ttft_p50_ms", "TTFT p50 (ms)", axes[0]), ("ttft_p99_ms", "TTFT p99 (ms)", axes[1]),
+                               ("tpot_p50_ms", "TPOT p50 (ms)", axes[2])):
+            for mode in _modes(results):
+                points = sorted((r.rate, getattr(r, key)) for r in results
+                                if r.mode == mode and r.input_len == input_len and getattr(r, key) is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=mode)
+            ax.set(title=title, xlabel="request rate (req/s)")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"input {input_len} tokens")
+        fig.tight_layout()
+        path = out_dir / f"latency-in{input_len}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    broken = [r for r in results if r.breakdown_ms]
+    if broken:
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(broken)), 4.5))
+        segments = list(dict.fromkeys(s for r in broken for s in r.breakdown_ms if s != "ttft"))
+        labels = [f"{r.mode}\n{r.rate}/s\nin {r.input_len}" for r in broken]
+        bottom = [0.0] * len(broken)
+        for segment in segments:
+            values = [max(0.0, r.breakdown_ms.get(segment, 0.0)) for r in broken]
+            ax.bar(labels, values, bottom=bottom, label=segment.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set(title="TTFT breakdown, median per segment (ms)", ylabel="ms")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "ttft-breakdown.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _modes(results: Iterable[RunResult]) -> list[str]:
+    seen = {r.mode for r in results}
+    return [m for m in MODES if m in seen]
+
+
+def write(results: list[RunResult], meta: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": rows(results)}, indent=2))
+    (out_dir / "results.md").write_text(markdown(results, meta))
+    return [out_dir / "results.json", out_dir / "results.md", *plots(results, out_dir)]

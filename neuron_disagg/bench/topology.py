@@ -1,0 +1,105 @@
+"""What `neuron-disagg bench` starts for each mode, on 127.0.0.1.
+
+- monolithic: one plain vLLM server on core 0.
+- ours (push and pull): P on core 0 and D on core 1 with our connector, one router per mode.
+- vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
+  NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
+  the comparison is between connectors.
+
+One topology runs at a time (2 cores). ``ServerSettings`` carries the vLLM flags shared by all of
+them, so every mode serves with identical settings.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
+                             router)
+
+MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull")
+REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 256 << 20
+    block_size: int = 32
+    extra: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--tensor-parallel-size", "8")
+
+    def kwargs(self) -> dict:
+        return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
+                "block_size": self.block_size, "extra": self.extra}
+
+
+@dataclass
+class Running:
+    """A started topology: the URL to load for each mode it serves, and where to look afterwards."""
+
+    urls: dict[str, str]
+    instances: list[Instance]
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    timeline_dir: str | None = None
+    logs: list[str] = field(default_factory=list)
+
+
+def groups(modes: list[str]) -> list[tuple[str, ...]]:
+    """The topologies needed for ``modes``, in run order; ours serves push and pull together."""
+    out: list[tuple[str, ...]] = []
+    if "monolithic" in modes:
+        out.append(("monolithic",))
+    ours = tuple(m for m in ("push", "pull") if m in modes)
+    if ours:
+        out.append(ours)
+    out += [(m,) for m in ("vllm-push", "vllm-pull") if m in modes]
+    return out
+
+
+@contextmanager
+def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: float = 600) -> Iterator[Running]:
+    """Starts the topology for ``group``, yields it healthy, and stops everything it started."""
+    running = _build(group, server)
+    launched: list[Instance] = []
+    try:
+        backends = [i for i in running.instances if i.name != "router"]
+        for instance in backends:
+            launched.append(instance.start())
+        for instance in backends:
+            instance.wait_ready(ready_timeout_s)
+        for instance in running.instances:
+            if instance.name == "router":
+                launched.append(instance.start())
+                instance.wait_ready(60)
+        running.logs = [str(i.log_path) for i in launched]
+        yield running
+    finally:
+        for instance in reversed(launched):
+            instance.stop()
+
+
+def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
+    kw = server.kwargs()
+    if group == ("monolithic",):
+        mono = monolithic(server.model, free_port(), "0", **kw)
+        return Running({"monolithic": mono.url}, [mono])
+    p_side, d_side = free_port(), free_port()
+    if group[0].startswith("vllm-"):
+        mode = group[0]
+        p = reference(mode, "prefill", server.model, free_port(), p_side, "0", **kw)
+        d = reference(mode, "decode", server.model, free_port(), d_side, "1", **kw)
+        r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)])
+        return Running({mode: r.url}, [p, d, r], p, d)
+    marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
+    secret = secrets.token_hex(32)
+    overrides = {"timeline_dir": marks}
+    p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
+    d = disaggregated("decode", server.model, free_port(), d_side, "1", secret, overrides, **kw)
+    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m, timeline_dir=marks) for m in group}
+    return Running({m: r.url for m, r in routers.items()}, [p, d, *routers.values()], p, d, marks)
