@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.prompts < 1 or args.output_len < 1 or args.tp < 1:
         parser().error("--prompts, --output-len and --tp must be at least 1")
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
     model = args.model or str(tiny_model.build())
     extra = tuple(shlex.split(args.vllm_args)) + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ())
     if args.max_model_len < max(args.input_lens) + args.output_len:

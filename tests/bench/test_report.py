@@ -1,0 +1,83 @@
+"""`neuron-disagg bench` output from given run results: ratios to the reference connector and to
+monolithic, the Markdown and JSON files, the plots, and argument checking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from neuron_disagg.bench import cli, report
+from neuron_disagg.bench.load import RunResult, StepTime, breakdown_between, mean_step_us
+from neuron_disagg.bench.topology import groups
+from neuron_disagg.timeline import Timeline
+
+
+def result(mode, rate, ttft, tpot=10.0, **kw) -> RunResult:
+    return RunResult(mode, rate, 512, 32, 8, completed=8, ttft_p50_ms=ttft, ttft_p99_ms=ttft * 2,
+                     tpot_p50_ms=tpot, e2el_p50_ms=ttft + 300, **kw)
+
+
+RESULTS = [result("monolithic", 1.0, 100.0), result("push", 1.0, 150.0, 12.0,
+                                                     breakdown_ms={"prefill": 90.0, "write": 5.0, "ttft": 150.0}),
+           result("vllm-pull", 1.0, 300.0, 20.0), result("push", 2.0, 180.0),
+           result("vllm-push", 1.0, 0.0, error="did not start: boom")]
+
+
+def test_ratios_are_to_the_reference_connector_and_monolithic_at_the_same_point():
+    rows = {(r["mode"], r["rate"]): r for r in report.rows(RESULTS)}
+    push = rows[("push", 1.0)]
+    assert push["ttft_p50_vs_reference"] == 0.5 and push["tpot_p50_vs_reference"] == 0.6
+    assert push["ttft_p50_vs_monolithic"] == 1.5
+    assert rows[("push", 2.0)]["ttft_p50_vs_reference"] is None  # no reference run at 2 req/s
+    assert rows[("vllm-push", 1.0)]["ttft_p50_vs_reference"] is None  # it did not run
+
+
+def test_files_written(tmp_path):
+    written = report.write(RESULTS, {"model": "tiny", "prompts": 8, "output_len": 32, "burstiness": 1.0}, tmp_path)
+    names = {p.name for p in written}
+    assert {"results.json", "results.md", "latency-in512.png", "ttft-breakdown.png"} <= names
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["runs"]) == len(RESULTS) and data["meta"]["model"] == "tiny"
+    md = (tmp_path / "results.md").read_text()
+    assert "| push | 1.00 | 512 | 150 | 300 | 12.0 | 0.50 |" in md
+    assert "## TTFT breakdown" in md and "did not start: boom" in md
+    for png in ("latency-in512.png", "ttft-breakdown.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_breakdown_takes_only_the_runs_own_requests(tmp_path):
+    t = Timeline(tmp_path, "all")
+    base = {"p_arrived": 0.001, "p_scheduled": 0.002, "p_kv_ready": 0.010, "p_registration": 0.003,
+            "p_write_posted": 0.012, "d_notified": 0.013, "d_loaded": 0.015, "router_first_byte": 0.020}
+    for tid, start in (("inside#0", 100.0), ("inside2#0", 101.0), ("before#0", 90.0)):
+        t.mark(tid, "router_arrived", start)
+        for event, offset in base.items():
+            t.mark(tid, event, start + offset * (3 if tid == "before#0" else 1))
+    t.close()
+    got = breakdown_between(str(tmp_path), 99.0, 102.0)
+    assert got["ttft"] == pytest.approx(20.0) and got["prefill"] == pytest.approx(8.0)
+    assert breakdown_between(str(tmp_path), 200.0, 300.0) is None
+
+
+def test_step_time_difference():
+    assert mean_step_us(StepTime(1.0, 100), StepTime(1.002, 104)) == 500.0
+    assert mean_step_us(StepTime(1.0, 100), StepTime(1.0, 100)) is None
+
+
+def test_topologies_group_our_modes_and_run_the_reference_last():
+    assert groups(["vllm-pull", "push", "monolithic", "pull"]) == [("monolithic",), ("push", "pull"), ("vllm-pull",)]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--modes", "push,teleport"], "unknown mode"),
+    (["--rates", "1,x"], "comma-separated"),
+    (["--rates", "0"], "positive"),
+    (["--input-lens", "4000", "--max-model-len", "2048"], "shorter than the longest input"),
+])
+def test_bad_arguments_fail_before_anything_starts(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr("neuron_disagg.bench.cli.started", lambda *a, **k: pytest.fail("started something"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv + ["--model", "/nonexistent-model"])
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
