@@ -128,5 +128,6 @@ class InFlight:
         return list(self._batches)
 
     def _forget_dead_peer(self, reason: str, agent: str) -> None:
-        if "disconnect" in reason:  # a restarted peer comes back with new metadata: re-handshake
-            self.transport.remove_peer(agent)
+        # A failed transfer may mean a dead peer (UCX says "disconnect"; LIBFABRIC reports a
+        # backend error): forget its agent, so a restarted peer is handshaken with fresh metadata.
+        self.transport.remove_peer(agent)

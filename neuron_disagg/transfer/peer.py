@@ -216,7 +216,8 @@ def main() -> None:
     os.dup2(2, 1)
     args = parser().parse_args()
     peer = Peer(args)
-    peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid()})
+    peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid(),
+               "backends": peer.transport.loaded_backends() if hasattr(peer.transport, "loaded_backends") else []})
     for line in sys.stdin:
         cmd = json.loads(line)
         reply = peer.command(cmd)

@@ -18,10 +18,12 @@ SECRET = secrets.token_hex(24)
 
 
 class PeerProcess:
-    def __init__(self, role: str, *args: str, env: dict | None = None):
+    def __init__(self, role: str, *args: str, env: dict | None = None, prefix: list[str] | tuple[str, ...] = ()):
+        """``prefix`` wraps the command (e.g. ``nsenter --net=...`` to run it in a test's network
+        namespace); ``env`` adds to this process's environment."""
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "neuron_disagg.transfer.peer", "--role", role, *args],
+            [*prefix, sys.executable, "-m", "neuron_disagg.transfer.peer", "--role", role, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "NEURON_DISAGG_SECRET": SECRET, **(env or {})})
         self.replies: queue.Queue = queue.Queue()
@@ -33,6 +35,7 @@ class PeerProcess:
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         ready = self.wait_event(lambda e: e["event"] == "ready", 60)
         self.address, self.agent = ready["address"], ready["agent"]
+        self.backends = ready.get("backends", [])  # what the NIXL agent really loaded
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -178,6 +178,9 @@ class NixlTransport(Transport):
         self._registrations = []
         self._peers: set[str] = set()
 
+    def loaded_backends(self) -> list[str]:
+        return list(self._agent.backends)
+
     def register(self, regions: Sequence[Region]) -> None:
         rows = np.array([[s.addr, s.length, s.device_id] for s in region_spans(regions)], dtype=np.uint64)
         self._registrations.append(self._agent.register_memory(rows, self.memory_type))

@@ -82,7 +82,8 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
     assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh"], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh", *sorted((AMI.parent / "scripts").glob("*.sh"))],
+                         ids=lambda p: p.name)
 def test_provisioning_scripts_pass_shellcheck(script):
     done = subprocess.run([shellcheck(), "-x", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout

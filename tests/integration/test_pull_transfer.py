@@ -1,17 +1,15 @@
-"""Pull mode between real P and D processes over NIXL (UCX): D READs from P off its engine loop."""
+"""Pull mode between real P and D processes over NIXL (UCX, and LIBFABRIC in a namespace; see
+fabrics.py): D READs from P off its engine loop."""
 
 import pytest
-
-from neuron_disagg.transfer.peer_process import PeerProcess
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def pull_pair():
-    pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
-    p = PeerProcess("prefill", "--mode", "pull", "--lease-s", "3", "--max-write-s", "1")
-    d = PeerProcess("decode", "--mode", "pull", "--max-write-s", "1")
+def pull_pair(fabric):
+    p = fabric.peer("prefill", "--mode", "pull", "--lease-s", "3", "--max-write-s", "1")
+    d = fabric.peer("decode", "--mode", "pull", "--max-write-s", "1")
     yield p, d
     p.stop()
     d.stop()

@@ -5,24 +5,22 @@ import time
 
 import pytest
 
-from neuron_disagg.protocol import RankRegions, Registration, TransferId, WireCodec
+from neuron_disagg.protocol import RankRegions, Registration, TransferId
 from neuron_disagg.protocol.geometry import rank_regions
 from neuron_disagg.transfer.peer import SHAPE
-from neuron_disagg.transfer.side_channel import SideChannelClient, rank_address
 
-from neuron_disagg.transfer.peer_process import SECRET, PeerProcess
+from neuron_disagg.transfer.peer_process import SECRET
 
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
 
 
 @pytest.fixture
-def procs():
-    pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
+def procs(fabric):
     started = []
 
     def start(role, *args):
-        started.append(PeerProcess(role, *args))
+        started.append(fabric.peer(role, *args))
         return started[-1]
 
     yield start
@@ -50,7 +48,14 @@ def _wait(predicate, timeout=10.0):
         time.sleep(0.05)
 
 
-def test_decode_killed_prefill_fails_frees_and_serves_a_restarted_decode(procs):
+def test_decode_killed_prefill_fails_frees_and_serves_a_restarted_decode(procs, fabric, request):
+    if fabric.backend == "LIBFABRIC":
+        # Measured here with nixl 1.4.1's LIBFABRIC plugin and libfabric's tcp provider: after a
+        # WRITE to a dead peer the plugin keeps reading the same error from rail 0's completion
+        # queue, so every later handshake and post of that agent fails (NIXL_ERR_BACKEND). P still
+        # fails the request with a reason and frees its blocks (checked below, before the restart).
+        request.applymarker(pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
+            "nixl 1.4.1 LIBFABRIC: a dead peer poisons the agent's rail; P needs a restart")))
     p = procs("prefill", "--lease-s", "30")
     d = _decode(procs)
     _deliver(p, d, ["warm", 0], [1, 2], [3, 4], seed=1)  # P now holds D's agent
@@ -91,20 +96,20 @@ def test_prefill_killed_decode_watchdog_fails_and_frees_within_bound(procs):
     assert d.call("stats")["outstanding_blocks"] == 0
 
 
-def test_forged_and_out_of_bounds_registrations_are_rejected_before_any_write(procs):
+def test_forged_and_out_of_bounds_registrations_are_rejected_before_any_write(procs, fabric):
     p = procs("prefill")
     d = _decode(procs)
     regions = rank_regions(SHAPE, 128, base_addr=1 << 44)  # nowhere near D's real memory
     forged = Registration(TransferId("forged"), d.agent, "x", d.address, 1,
                           (RankRegions(0, d.agent, regions),), (1, 2), 0, time.time() + 30)
-    SideChannelClient(WireCodec(b"not-the-deployment-secret-at-all")).send(rank_address(p.address, 0), forged)
+    fabric.send(p.address, b"not-the-deployment-secret-at-all", forged)
     _wait(lambda: p.call("stats")["rejected"].get("bad_signature", 0) == 1)
     assert p.call("stats")["live"] == 0
 
     # Correctly signed, but pointing outside what D registered: refused before posting.
     oob = Registration(TransferId("oob"), d.agent, "x", d.address, 1,
                        (RankRegions(0, d.agent, regions),), (1, 2), 0, time.time() + 30)
-    SideChannelClient(WireCodec(SECRET.encode())).send(rank_address(p.address, 0), oob)
+    fabric.send(p.address, SECRET.encode(), oob)
     _wait(lambda: p.call("stats")["live"] == 1)
     p.call("fill", blocks=[30, 31], seed=4)
     p.call("kv_ready", tid=["oob", 0], blocks=[30, 31])

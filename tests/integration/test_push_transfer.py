@@ -1,17 +1,16 @@
-"""Push transfers between real P and D processes on 127.0.0.1 over NIXL (UCX, DRAM)."""
+"""Push transfers between real P and D processes over NIXL (DRAM), once over UCX on 127.0.0.1 and
+once over LIBFABRIC's tcp provider in a private network namespace (see fabrics.py)."""
 
 import pytest
-
-from neuron_disagg.transfer.peer_process import PeerProcess
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def pair():
-    pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
-    p = PeerProcess("prefill", "--lease-s", "5")
-    d = PeerProcess("decode", "--watchdog-s", "3", "--max-write-s", "2")
+def pair(fabric):
+    p = fabric.peer("prefill", "--lease-s", "5")
+    d = fabric.peer("decode", "--watchdog-s", "3", "--max-write-s", "2")
+    assert p.backends == d.backends == [fabric.backend]  # the agents run on that backend alone
     yield p, d
     p.stop()
     d.stop()
