@@ -78,7 +78,7 @@ variable "nixl_version" {
 
 variable "doctor_command" {
   type        = string
-  default     = "neuron-disagg doctor"
+  default     = "neuron-disagg doctor --image"
   description = "The last provisioning step; the build fails if it exits non-zero."
 }
 

@@ -202,7 +202,10 @@ def check_port(config: Config) -> Check:
     return Check("side channel", "ok", f"{config.side_channel} is free")
 
 
-def check_secret(config: Config) -> Check:
+def check_secret(config: Config, image: bool = False) -> Check:
+    if image:
+        return Check("secret", "warn", "not checked: an image being baked has no deployment secret yet",
+                     "the instance gets it at launch (environment, file or SSM); run doctor there without --image")
     try:
         secret = config.load_secret()
     except ConfigError as exc:
@@ -211,7 +214,7 @@ def check_secret(config: Config) -> Check:
     return Check("secret", "ok", f"present in {where} ({len(secret)} bytes)")
 
 
-def run_checks(config_path: str | None = None, root: str = "/") -> tuple[list[Check], dict]:
+def run_checks(config_path: str | None = None, root: str = "/", image: bool = False) -> tuple[list[Check], dict]:
     checks: list[Check] = []
     try:
         config = Config.from_yaml(config_path) if config_path else Config()
@@ -223,7 +226,7 @@ def run_checks(config_path: str | None = None, root: str = "/") -> tuple[list[Ch
     checks.append(check_vllm())
     if config is None:
         return checks, summary
-    checks.append(check_secret(config))
+    checks.append(check_secret(config, image))
     from .platforms import PlatformError, select_platform
     try:
         platform, reason = select_platform(config.platform, root=root)
@@ -256,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="neuron-disagg doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="neuron-disagg YAML config to check")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument("--image", action="store_true",
+                        help="checking a machine image being baked: no deployment secret exists yet")
     args = parser.parse_args(argv)
-    checks, summary = run_checks(args.config)
+    checks, summary = run_checks(args.config, image=args.image)
     ok = all(c.status != "fail" for c in checks)
     if args.json:
         print(json.dumps({"ok": ok, **summary, "checks": [asdict(c) for c in checks]}, indent=2))

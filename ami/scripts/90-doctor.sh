@@ -3,14 +3,15 @@
 # LIBFABRIC plugin, vLLM). If it fails, the build fails: an AMI that cannot serve is worse than none.
 set -euo pipefail
 
-DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor}"
+# --image: a baked image has no deployment secret yet (each instance gets it at launch).
+DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor --image}"
 
 # The same environment the units run with.
 set -a
 # shellcheck source=/dev/null
 . /etc/neuron-disagg/fabric.env
 set +a
-export PATH="/opt/neuron-disagg/venv/bin:$PATH"
+export PATH="/opt/neuron-disagg/venv/bin:/opt/amazon/efa/bin:$PATH"  # fi_info: the EFA installer's
 
 echo "90-doctor: running: $DOCTOR_COMMAND"
 read -r -a command <<< "$DOCTOR_COMMAND"

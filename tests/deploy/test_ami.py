@@ -78,7 +78,7 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
     stub_step = next(s for s in shell_steps if unquote(s.get("script", "")).endswith("40-libcuda-stub.sh"))
     assert [unquote(o) for o in stub_step["only"]] == ["amazon-ebs.neuron"]  # never on a GPU host
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
-    assert unquote(variables["doctor_command"]["default"]) == "neuron-disagg doctor"
+    assert unquote(variables["doctor_command"]["default"]) == "neuron-disagg doctor --image"
     assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
 
 
