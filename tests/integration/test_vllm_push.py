@@ -209,6 +209,37 @@ def test_decode_leg_without_a_live_prefill_fails_within_the_watchdog_bound(clust
     blocks_back(cluster)
 
 
+def test_prefill_killed_after_the_registration_reached_it_fails_the_client_within_the_bound(cluster):
+    """kill -9 of a P holding D's registration (its prefill leg never sent, so nothing can deliver
+    the KV by chance): D fails the request within watchdog + fence and the client gets an error."""
+    marks = tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
+    side = free_port()
+    doomed = disaggregated("prefill", cluster.model, free_port(), side, "0", cluster.secret,
+                           {**PATIENT, "timeline_dir": marks}, max_model_len=MAX_MODEL_LEN).start()
+    try:
+        doomed.wait_ready()
+        _, d_body = legs(cluster, prompt(60, 14), 8, p_side=side)
+        tid = d_body["kv_transfer_params"]["transfer_id"]
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                d_task = asyncio.create_task(client.post(f"{cluster.d.url}/v1/completions", json=d_body))
+                await asyncio.to_thread(wait_for, lambda: "p_registration" in timeline.load(marks).get(tid, {}),
+                                        30, "the registration reaching P")
+                doomed.kill()
+                killed = time.monotonic()
+                r = await d_task
+                return r, time.monotonic() - killed
+
+        response, elapsed = run(scenario())
+    finally:
+        doomed.stop()
+    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, response.text
+    assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s after the kill, bound {D_BOUND_S} s"
+    blocks_back(cluster)
+
+
 def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
     p_body, _ = legs(cluster, prompt(120, 14), 1)
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
@@ -347,6 +378,50 @@ def test_small_decode_cache_under_load_keeps_outputs_exact(cluster, small_decode
 
     want, got = run(scenario())
     assert got == want
+    wait_for(lambda: kv_usage(small_decode) == 0.0, 20, "small D's KV usage back to 0")
+    blocks_back(cluster)
+
+
+def _num_gpu_blocks(instance) -> int:
+    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:cache_config_info"):
+            return int(line.split('num_gpu_blocks="')[1].split('"')[0])
+    raise AssertionError("vllm:cache_config_info not exported")
+
+
+def test_preemption_on_decode_keeps_outputs_exact(cluster, small_decode):
+    """Forced preemption: n prompts of exactly N // n blocks fill D's N blocks so that fewer than n
+    stay free; each request's first decoded token needs one more block, so vLLM must preempt a
+    request whose KV came from P, and a waiting one gets the freed blocks written by P.
+
+    Every request that was not preempted must match monolithic token for token. A preempted one is
+    recomputed by D from its tokens, and that alone can change greedy output on this random model:
+    monolithic vLLM with the same small cache and load (1 preemption) changed exactly one of the
+    four answers. So at most one answer per preemption may differ."""
+    blocks, n, block_size = _num_gpu_blocks(small_decode), 3, 32
+    per_prompt = blocks // n
+    assert blocks - n * per_prompt < n and per_prompt * block_size + 40 <= MAX_MODEL_LEN, blocks
+    prompts = [[11 + (i * 37 + j * 7) % 500 for j in range(per_prompt * block_size)] for i in range(n + 1)]
+    before = _metric(small_decode, "vllm:num_preemptions_total")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as client:
+            want = [await reference(cluster, client, t, 40) for t in prompts]
+
+            async def one(t):
+                p_body, d_body = legs(cluster, t, 40)
+                p, d = await asyncio.gather(client.post(f"{cluster.p.url}/v1/completions", json=p_body),
+                                            client.post(f"{small_decode.url}/v1/completions", json=d_body))
+                assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+                return d.json()["choices"][0]["text"]
+
+            return want, list(await asyncio.gather(*(one(t) for t in prompts)))
+
+    want, got = run(scenario())
+    preempted = _metric(small_decode, "vllm:num_preemptions_total") - before
+    assert preempted > 0, "the scenario was built to force a preemption on D"
+    differing = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert len(differing) <= preempted, (differing, preempted)
     wait_for(lambda: kv_usage(small_decode) == 0.0, 20, "small D's KV usage back to 0")
     blocks_back(cluster)
 
