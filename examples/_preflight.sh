@@ -45,6 +45,10 @@ fi
 if [[ -n "${IAM_INSTANCE_PROFILE:-}" ]]; then
   launch_flags+=(--iam-instance-profile "$IAM_INSTANCE_PROFILE")  # e.g. for SSM port forwarding to the router
 fi
+if [[ -z "${KEY_NAME:-}" && -z "${IAM_INSTANCE_PROFILE:-}" ]]; then
+  echo "note: neither IAM_INSTANCE_PROFILE nor KEY_NAME is set: nothing will reach the router on its" \
+    "private address afterwards (see examples/README.md, step 2)" >&2
+fi
 if [[ -n "${CAPACITY_BLOCK:-}" ]]; then
   launch_flags+=(--capacity-block "$CAPACITY_BLOCK")
 fi
