@@ -42,7 +42,7 @@ fi
 export NEURON_DISAGG_SECRET
 
 # 3. The tiny model: built once into ~/.cache/neuron-disagg, its directory printed.
-MODEL=$(python -m neuron_disagg.tiny_model)
+MODEL=$(python -m neuron_disagg.tiny_model | tail -n 1)  # the path is its last line
 echo "model: $MODEL"
 
 # 4. One config per instance (they differ only in the side channel port, both being on one host).

@@ -98,13 +98,11 @@ def test_local_example_needs_the_venv(tmp_path):
 
 
 def _ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """Ports below the ephemeral range (see local_cluster.free_port): the servers bind them up to a
+    minute later, while vLLM and UCX draw ephemeral ports of their own."""
+    from neuron_disagg.local_cluster import free_port
+
+    return [free_port() for _ in range(n)]
 
 
 @pytest.mark.integration
