@@ -8,8 +8,6 @@ but slower or only locally. Exit status is non-zero on any failure. The secret i
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import functools
 import json
 import os
@@ -74,16 +72,6 @@ def _run(cmd: list[str], timeout_s: float = 20.0) -> str | None:
         return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout_s).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
-
-
-def libcuda_loads() -> bool:
-    if ctypes.util.find_library("cuda"):
-        return True
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -165,7 +153,9 @@ def check_neuron(platform) -> Check:
 
 
 def check_libcuda(platform, backend: str) -> Check:
-    if libcuda_loads():
+    from cuda_compat import libcuda_present
+
+    if libcuda_present():
         return Check("libcuda", "ok", "libcuda.so.1 loads")
     if backend == "LIBFABRIC" or platform.name == "cuda":
         return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin needs it even on "
