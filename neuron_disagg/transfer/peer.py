@@ -217,7 +217,7 @@ def main() -> None:
     args = parser().parse_args()
     peer = Peer(args)
     peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid(),
-               "backends": peer.transport.loaded_backends() if hasattr(peer.transport, "loaded_backends") else []})
+               "backends": peer.transport.loaded_backends()})
     for line in sys.stdin:
         cmd = json.loads(line)
         reply = peer.command(cmd)

@@ -76,9 +76,7 @@ class PushReceiver(TransferThread):
         elif kind == "abort":
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "verdict":
-            if isinstance(item[1], WriteDone):
-                self.timeline.mark(item[1].transfer_id, "d_notified")
-            self._perform(self.core.verdict(item[1], now))
+            self._verdict(item[1], now)
 
     def _notification(self, sender: str, frame: bytes) -> None:
         try:
@@ -90,8 +88,13 @@ class PushReceiver(TransferThread):
         if not isinstance(message, WriteDone):
             self.rejected["unexpected"] += 1
             return
-        self.timeline.mark(message.transfer_id, "d_notified")
-        self._perform(self.core.verdict(message, time.time()))
+        self._verdict(message, time.time())
+
+    def _verdict(self, message: WriteDone | WriteFailed | CancelAck, now: float) -> None:
+        """P's word on a transfer, by NIXL notification or by side channel."""
+        if isinstance(message, WriteDone):
+            self.timeline.mark(message.transfer_id, "d_notified")
+        self._perform(self.core.verdict(message, now))
 
     def _perform(self, actions) -> None:
         for action in actions:

@@ -55,6 +55,10 @@ def spans_cover(spans: Sequence[MemorySpan], addr: np.ndarray, length: np.ndarra
 class Transport(abc.ABC):
     name: str
 
+    def loaded_backends(self) -> list[str]:
+        """The NIXL backends this transport's agent really loaded (none for in-memory)."""
+        return []
+
     @abc.abstractmethod
     def register(self, regions: Sequence[Region]) -> None:
         """Make these local KV regions reachable by peers."""
