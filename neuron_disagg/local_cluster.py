@@ -4,6 +4,7 @@ unpinned fight over both cores), logs to a file, and is stopped by its own proce
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
 from .vllm.serve import build_command
 from .config import Config
 
@@ -117,10 +119,6 @@ def reference(mode: str, role: str, model: str, port: int, side_channel_port: in
     """A P or D running vLLM's own NIXL connector (``mode`` "vllm-push" or "vllm-pull"), for the
     side-by-side benchmark. Its engine id is ``reference-<role>-<port>`` (the router's vllm-push
     mode needs P's); see ``neuron_disagg.vllm.plugin`` for why the benchmark keeps its pinning."""
-    import json
-
-    from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
-
     transfer = {"kv_connector": REFERENCE_CONNECTORS[mode], "kv_role": "kv_both",
                 "kv_buffer_device": "cpu", "engine_id": reference_engine_id(role, port)}
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,

@@ -117,11 +117,12 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list
             run(mode, url, model, loads[-1], raw_dir / "warmup")
         for load in loads:
             progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
-            steps = [step_time(i.url) for i in (topo.prefill, topo.decode) if i is not None and topo.timeline_dir]
+            ours = topo.timeline_dir is not None  # only our connector exports its step time
+            before = (step_time(topo.prefill.url), step_time(topo.decode.url)) if ours else None
             result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
-            if steps:
-                result.prefill_step_us = mean_step_us(steps[0], step_time(topo.prefill.url))
-                result.decode_step_us = mean_step_us(steps[1], step_time(topo.decode.url))
+            if before:
+                result.prefill_step_us = mean_step_us(before[0], step_time(topo.prefill.url))
+                result.decode_step_us = mean_step_us(before[1], step_time(topo.decode.url))
             out.append(result)
             progress.advance(task)
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
@@ -46,8 +46,7 @@ class Running:
     instances: list[Instance]
     prefill: Instance | None = None
     decode: Instance | None = None
-    timeline_dir: str | None = None
-    logs: list[str] = field(default_factory=list)
+    timeline_dir: str | None = None  # set for our connector only: vLLM's marks no timeline
 
 
 def groups(modes: list[str]) -> list[tuple[str, ...]]:
@@ -77,7 +76,6 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
             if instance.name == "router":
                 launched.append(instance.start())
                 instance.wait_ready(60)
-        running.logs = [str(i.log_path) for i in launched]
         yield running
     finally:
         for instance in reversed(launched):
