@@ -91,10 +91,12 @@ def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None)
     return p, d
 
 
-async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
+async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16,
+                                  decode=None) -> str:
+    """Both legs at once, through the shared P and ``decode`` (the shared D by default)."""
     p_body, d_body = legs(c, text, max_tokens)
     p, d = await asyncio.gather(client.post(f"{c.p.url}/v1/completions", json=p_body),
-                                client.post(f"{c.d.url}/v1/completions", json=d_body))
+                                client.post(f"{(decode or c.d).url}/v1/completions", json=d_body))
     assert p.status_code == 200, p.text
     assert d.status_code == 200, d.text
     return d.json()["choices"][0]["text"]
@@ -366,14 +368,8 @@ def test_small_decode_cache_under_load_keeps_outputs_exact(cluster, small_decode
         async with httpx.AsyncClient(timeout=300) as client:
             want = [await reference(cluster, client, t, 64) for t in texts]
 
-            async def one(t):
-                p_body, d_body = legs(cluster, t, 64)
-                p, d = await asyncio.gather(client.post(f"{cluster.p.url}/v1/completions", json=p_body),
-                                            client.post(f"{small_decode.url}/v1/completions", json=d_body))
-                assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
-                return d.json()["choices"][0]["text"]
-
-            got = await asyncio.gather(*(one(t) for t in texts))
+            got = await asyncio.gather(*(disaggregated_completion(cluster, client, t, 64, small_decode)
+                                         for t in texts))
         return want, list(got)
 
     want, got = run(scenario())
@@ -408,14 +404,8 @@ def test_preemption_on_decode_keeps_outputs_exact(cluster, small_decode):
         async with httpx.AsyncClient(timeout=300) as client:
             want = [await reference(cluster, client, t, 40) for t in prompts]
 
-            async def one(t):
-                p_body, d_body = legs(cluster, t, 40)
-                p, d = await asyncio.gather(client.post(f"{cluster.p.url}/v1/completions", json=p_body),
-                                            client.post(f"{small_decode.url}/v1/completions", json=d_body))
-                assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
-                return d.json()["choices"][0]["text"]
-
-            return want, list(await asyncio.gather(*(one(t) for t in prompts)))
+            return want, list(await asyncio.gather(*(disaggregated_completion(cluster, client, t, 40, small_decode)
+                                                     for t in prompts)))
 
     want, got = run(scenario())
     preempted = _metric(small_decode, "vllm:num_preemptions_total") - before
