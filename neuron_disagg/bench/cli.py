@@ -21,19 +21,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import tiny_model
+from ..arglists import positive_list
 from . import report
 from .load import Load, RunResult, mean_step_us, run, scratch_dir, step_time
 from .topology import MODES, ServerSettings, groups, started
-
-
-def _list(kind, text: str, what: str) -> list:
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{what} must be positive numbers, got {text!r}")
-    return values
 
 
 def _modes(text: str) -> list[str]:
@@ -47,9 +38,9 @@ def _modes(text: str) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuron-disagg bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated (default {','.join(MODES)})")
-    p.add_argument("--rates", type=lambda t: _list(float, t, "--rates"), default=[1.0, 2.0],
+    p.add_argument("--rates", type=positive_list(float, "--rates"), default=[1.0, 2.0],
                    help="request rates, req/s (default 1,2)")
-    p.add_argument("--input-lens", type=lambda t: _list(int, t, "--input-lens"), default=[512],
+    p.add_argument("--input-lens", type=positive_list(int, "--input-lens"), default=[512],
                    help="prompt lengths in tokens (default 512)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--prompts", type=int, default=16, help="requests per point (default 16)")

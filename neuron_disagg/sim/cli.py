@@ -18,35 +18,17 @@ from .calibrate import CALIBRATION_REQUESTS, calibrate, saturation_note
 from .errors import SimulationError
 from .profiles import PROFILES, get_profile
 from .report import crossover_text, reproduction_table, scan_table, scan_verdict, sources_table, sweep_table
+from ..arglists import positive_list
 from .sweep import SweepOptions, crossover, descriptor_scan, reproduce, sweep
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 1,2,4,8, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"rates must be positive requests/s, got {text!r}")
-    return values
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token counts like 1024,16384, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"input lengths must be >= 1 token, got {text!r}")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="neuron-disagg simulate", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="p5en")
-    ap.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0, 8.0], help="requests/s, comma-separated")
-    ap.add_argument("--input-lens", type=_ints, default=[1024, 2048, 4096, 8192, 16384], help="prompt tokens")
+    ap.add_argument("--rates", type=positive_list(float, "--rates"), default=[1.0, 2.0, 4.0, 8.0],
+                    help="requests/s, comma-separated")
+    ap.add_argument("--input-lens", type=positive_list(int, "--input-lens"), default=[1024, 2048, 4096, 8192, 16384],
+                    help="prompt tokens")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--requests", type=int, default=400, help="requests per point (first 10%% are warm-up)")
     ap.add_argument("--seed", type=int, default=0)
