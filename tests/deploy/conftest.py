@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,35 +32,35 @@ from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
 
 from neuron_disagg.deploy.cloud import Cloud
+from neuron_disagg.local_cluster import free_port
 
 REGION = "us-east-2"
 SECRET = "0123456789abcdef0123456789abcdef"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Polls ``url`` until it answers; kills ``process`` and raises if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"{what} did not start")
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
 def moto_url(tmp_path_factory):
     """One moto server process for the session; each test resets its state."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).read()
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"moto server did not start; see {log.name}")
-            time.sleep(0.2)
+    wait_until_serving(f"{url}/moto-api/", process, 60, f"moto server (log {log.name})")
     yield url
     process.terminate()
     try:

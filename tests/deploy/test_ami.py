@@ -8,12 +8,9 @@ import ctypes
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
-import urllib.request
 from pathlib import Path
 
 import hcl2
@@ -21,6 +18,9 @@ import pytest
 
 from neuron_disagg.deploy import ami
 
+from neuron_disagg.local_cluster import free_port
+
+from .conftest import wait_until_serving
 from .test_user_data import shellcheck
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,19 +161,10 @@ def efa_site(tmp_path):
     subprocess.run([*gpg, "--detach-sign", "-o", f"{tarball}.sig", str(tarball)], check=True, capture_output=True)
     subprocess.run([*gpg, "--armor", "--export", "-o", str(site / "aws-efa-installer.key"), fingerprint],
                    check=True, capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port), "--directory",
                                str(site)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/aws-efa-installer.key", timeout=2).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "local HTTP server did not start"
-            time.sleep(0.1)
+    wait_until_serving(f"http://127.0.0.1:{port}/aws-efa-installer.key", server, 20, "local HTTP server")
     yield {"url": f"http://127.0.0.1:{port}", "fingerprint": fingerprint, "site": site, "prefix": tmp_path / "efa"}
     server.terminate()
     server.wait(10)
