@@ -131,8 +131,8 @@ class PullReader(_Reports, TransferThread):
             for event in ("d_read_posted", "d_read_done"):
                 self.timeline.mark(submit.transfer_id, event)
             return self._perform(self.core.read_done(submit.transfer_id, time.time()))
+        self.timeline.mark(submit.transfer_id, "d_read_posted")  # before: cma copies inside the post
         error = self.reads.submit(submit.transfer_id, "READ", parts, self.codec.encode(submit.notification))
-        self.timeline.mark(submit.transfer_id, "d_read_posted")
         if error:
             self._perform(self.core.read_failed(submit.transfer_id, error, time.time()))
 

@@ -121,8 +121,9 @@ class PushWriter(TransferThread):
                 self.timeline.mark(submit.transfer_id, event)
             return self._perform(self.core.write_done(submit.transfer_id, time.time()))
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
-        error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))
+        # Marked before posting: with UCX's cma the copy, and D's notification, happen inside it.
         self.timeline.mark(submit.transfer_id, "p_write_posted")
+        error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))
         if error:
             self._failed(submit.transfer_id, error)
 
