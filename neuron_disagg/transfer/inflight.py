@@ -4,10 +4,15 @@ agent is not loaded yet (its handshake runs on the peers executor), polling, and
 Before posting, the remote side of every descriptor is checked against the memory the peer's agent
 said it registered (invariant I6): a registration or offer pointing anywhere else never becomes a
 transfer.
+
+Where a failed transfer can leave the agent itself unusable (``Transport.reset_after_failure``),
+a failure starts a drain: new parts are parked, and once nothing posted is still running the agent
+is replaced and every parked part handshakes again with the new one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,6 +22,8 @@ from ..protocol.messages import TransferId
 from ..protocol.plan import RankWrite
 from .peers import Peers
 from .transport import TransferFailed, Transport, spans_cover
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,11 @@ class InFlight:
         self.post_seconds: list[float] = []   # submit -> every part posted (or parked)
         self.done_seconds: list[float] = []   # submit -> every part complete
         self._batches: dict[TransferId, _Batch] = {}
+        self._draining = False  # a failure asked for a new agent; it comes once nothing runs
+        self._reset_not_before = 0.0
 
     def __bool__(self) -> bool:
-        return bool(self._batches)
+        return bool(self._batches) or self._draining
 
     def _remote(self, op: str, part: Part):
         p = part.plan
@@ -61,14 +70,16 @@ class InFlight:
         self._batches[tid] = batch
         for part in parts:
             batch.agents.add(part.plan.remote_agent)
-            if self.transport.has_peer(part.plan.remote_agent):
+            if self._draining:
+                batch.parked.append(part)  # handshaken with the new agent, after the reset
+            elif self.transport.has_peer(part.plan.remote_agent):
                 error = self._post(batch, part)
                 if error:
                     self.release(tid)
                     return error
             else:
                 batch.parked.append(part)
-                self.peers.handshake(part.peer_address, part.peer_rank, part.plan.remote_agent, self.on_peer_ready)
+                self._handshake(part)
         self.post_seconds.append(time.perf_counter() - batch.started)
         return None
 
@@ -87,12 +98,20 @@ class InFlight:
         self.stats["bytes"] += part.plan.bytes
         return None
 
+    def _handshake(self, part: Part) -> None:
+        self.peers.handshake(part.peer_address, part.peer_rank, part.plan.remote_agent, self.on_peer_ready)
+
     def peer_ready(self, agent: str, error: str | None) -> list[tuple[TransferId, str]]:
         """A handshake ended: post what waited for ``agent``. Returns transfers that failed."""
         self.peers.handshake_finished(agent)
+        if self._draining:
+            return []  # the parts stay parked; they handshake again with the new agent
         failed = []
         for tid, batch in list(self._batches.items()):
             waiting = [p for p in batch.parked if p.plan.remote_agent == agent]
+            if waiting and error is None and not self.transport.has_peer(agent):
+                self._handshake(waiting[0])  # loaded into the agent a reset replaced
+                continue
             for part in waiting:
                 batch.parked.remove(part)
                 problem = error or self._post(batch, part)
@@ -104,6 +123,7 @@ class InFlight:
 
     def poll(self) -> tuple[list[TransferId], list[tuple[TransferId, str]]]:
         done, failed = [], []
+        running = False
         for tid, batch in list(self._batches.items()):
             try:
                 finished = all([self.transport.poll(h) for h in batch.handles])
@@ -117,7 +137,35 @@ class InFlight:
                 self.done_seconds.append(time.perf_counter() - batch.started)
                 self.release(tid)
                 done.append(tid)
+            running = running or not finished
+        if self._draining and not running and time.monotonic() >= self._reset_not_before:
+            failed.extend(self._reset())
         return done, failed
+
+    def _reset(self) -> list[tuple[TransferId, str]]:
+        """Replace the agent; parked parts handshake again. Returns transfers that failed."""
+        for batch in self._batches.values():  # all complete: the old agent's handles go with it
+            for handle in batch.handles:
+                self.transport.release(handle)
+            batch.handles.clear()
+        old = self.transport.name
+        try:
+            self.transport.reset()
+        except Exception as exc:
+            log.exception("could not replace NIXL agent %s", old)
+            reason = f"the NIXL agent could not be replaced after a failed transfer: {exc}"
+            failed = [(tid, reason) for tid in self.tids()]
+            for tid in self.tids():
+                self.release(tid)
+            self._reset_not_before = time.monotonic() + 1.0  # still draining: try again then
+            return failed
+        self._draining = False
+        self.stats["agent_resets"] += 1
+        log.warning("replaced NIXL agent %s by %s after a failed transfer", old, self.transport.name)
+        for batch in self._batches.values():
+            for part in {p.plan.remote_agent: p for p in batch.parked}.values():
+                self._handshake(part)
+        return []
 
     def release(self, tid: TransferId) -> None:
         batch = self._batches.pop(tid, None)
@@ -131,3 +179,7 @@ class InFlight:
         # A failed transfer may mean a dead peer (UCX says "disconnect"; LIBFABRIC reports a
         # backend error): forget its agent, so a restarted peer is handshaken with fresh metadata.
         self.transport.remove_peer(agent)
+        if self.transport.reset_after_failure and not self._draining:
+            self._draining = True
+            log.warning("transfer with %s failed (%s); replacing agent %s once nothing is in flight",
+                        agent, reason, self.transport.name)

@@ -68,8 +68,6 @@ class Peer:
         self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
                           else InMemoryTransport(self.agent))
         self.transport.register(self.regions)
-        self.info = AgentInfo(0, self.agent, self.transport.metadata(),
-                              tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
         self.outstanding: dict[TransferId, tuple[int, ...]] = {}  # blocks lent to a transfer
         self.allocated_at: dict[TransferId, float] = {}
         self._out = threading.Lock()
@@ -119,8 +117,9 @@ class Peer:
 
     # -- messages in ------------------------------------------------------------------------------------
     def on_message(self, message):
-        if isinstance(message, AgentInfoRequest):
-            return self.info
+        if isinstance(message, AgentInfoRequest):  # the agent as it is now: a reset renames it
+            return AgentInfo(0, self.transport.name, self.transport.metadata(),
+                             tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
         wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
                   ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):
@@ -179,6 +178,7 @@ class Peer:
                     "live": len(self.core.live()),
                     "outstanding_blocks": sum(len(b) for b in self.outstanding.values()),
                     "writer": dict(getattr(self.thread, "stats", {})),
+                    "agent": self.transport.name,
                     "post_ms": [s * 1e3 for s in getattr(self._inflight(), "post_seconds", [])],
                     "transfer_ms": [s * 1e3 for s in getattr(self._inflight(), "done_seconds", [])],
                     "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}

@@ -7,7 +7,7 @@ addresses inside registered memory) and raise ``TransferFailed`` with a reason a
 
 Threading: a transport is owned by one thread (the writer or reader); only ``add_peer`` /
 ``remove_peer`` may run on another (the handshake executor), which is why NIXL agents are created
-with RW thread sync.
+with RW thread sync and why replacing the agent (``reset``) holds a lock those two take as well.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def spans_cover(spans: Sequence[MemorySpan], addr: np.ndarray, length: np.ndarra
 
 class Transport(abc.ABC):
     name: str
+    #: After a failed transfer, replace the agent (``reset``) before the next post. True where a
+    #: failure can leave the agent unusable (NIXL 1.4.1's LIBFABRIC plugin, measured).
+    reset_after_failure: bool = False
 
     def loaded_backends(self) -> list[str]:
         """The NIXL backends this transport's agent really loaded (none for in-memory)."""
@@ -95,6 +98,11 @@ class Transport(abc.ABC):
     def notifications(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call, as (sender, payload)."""
 
+    def reset(self) -> None:
+        """Replace the agent by a fresh one with a new ``name`` and the same registered memory; every
+        peer is forgotten. Call only with nothing in flight."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset its agent")
+
     def close(self) -> None:
         pass
 
@@ -121,6 +129,13 @@ class InMemoryTransport(Transport):
 
     def metadata(self) -> bytes:
         return self.name.encode()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._agents.pop(self.name, None)
+            self.name = _next_generation(self.name)
+            self._agents[self.name] = self
+        self._peers.clear()
 
     def add_peer(self, metadata: bytes) -> str:
         name = metadata.decode()
@@ -169,18 +184,25 @@ class NixlTransport(Transport):
     ``notifications`` calls drive progress (NIXL's spinning progress thread costs a whole core)."""
 
     def __init__(self, name: str, backend: str = "UCX", memory_type: str = "DRAM"):
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                   backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self.name = name
         self.backend = backend
         self.memory_type = memory_type
-        self._agent = nixl_agent(name, config)
-        if backend not in self._agent.backends:
-            raise TransferFailed(f"NIXL backend {backend} did not load (loaded: {list(self._agent.backends)})")
+        self.reset_after_failure = backend == "LIBFABRIC"
+        self._agent = self._new_agent(name)
         self._registrations = []
+        self._registered: list[np.ndarray] = []  # every registration's rows, to repeat after a reset
         self._peers: set[str] = set()
+        self._agent_lock = threading.Lock()  # reset vs the handshake executor's add/remove_peer
+
+    def _new_agent(self, name: str):
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=[self.backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        agent = nixl_agent(name, config)
+        if self.backend not in agent.backends:
+            raise TransferFailed(f"NIXL backend {self.backend} did not load (loaded: {list(agent.backends)})")
+        return agent
 
     def loaded_backends(self) -> list[str]:
         return list(self._agent.backends)
@@ -188,22 +210,50 @@ class NixlTransport(Transport):
     def register(self, regions: Sequence[Region]) -> None:
         rows = np.array([[s.addr, s.length, s.device_id] for s in region_spans(regions)], dtype=np.uint64)
         self._registrations.append(self._agent.register_memory(rows, self.memory_type))
+        self._registered.append(rows)
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        name = self._agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else name
-        self._peers.add(name)
+        with self._agent_lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers.add(name)
         return name
 
     def remove_peer(self, name: str) -> None:
+        with self._agent_lock:
+            self._remove_peer(name)
+
+    def _remove_peer(self, name: str) -> None:
         if name in self._peers:
             self._peers.discard(name)
             try:
                 self._agent.remove_remote_agent(name)
             except Exception:  # already gone on NIXL's side; nothing left to drop
+                pass
+
+    def reset(self) -> None:
+        # A new name too: peers that met the old agent keep its connection state under that name,
+        # and must see this one as a stranger. Registering the same memory twice is allowed, so the
+        # new agent is complete before the old one lets go.
+        name = _next_generation(self.name)
+        agent = self._new_agent(name)
+        registrations = [agent.register_memory(rows, self.memory_type) for rows in self._registered]
+        with self._agent_lock:
+            old, self._agent, self.name = self._agent, agent, name
+            old_registrations, self._registrations = self._registrations, registrations
+            old_peers, self._peers = self._peers, set()
+        for peer in old_peers:
+            try:
+                old.remove_remote_agent(peer)
+            except Exception:
+                pass
+        for reg in old_registrations:
+            try:
+                old.deregister_memory(reg)
+            except Exception:
                 pass
 
     def has_peer(self, name: str) -> bool:
@@ -259,14 +309,21 @@ class NixlTransport(Transport):
         return [(peer, msg) for peer, msgs in self._agent.get_new_notifs().items() for msg in msgs]
 
     def close(self) -> None:
-        for name in list(self._peers):
-            self.remove_peer(name)
+        with self._agent_lock:
+            for name in list(self._peers):
+                self._remove_peer(name)
         for reg in self._registrations:
             try:
                 self._agent.deregister_memory(reg)
             except Exception:
                 pass
         self._registrations.clear()
+
+
+def _next_generation(name: str) -> str:
+    """``agent`` -> ``agent.1`` -> ``agent.2``: the name of the agent that replaces this one."""
+    base, dot, generation = name.rpartition(".")
+    return f"{base}.{int(generation) + 1}" if dot and generation.isdigit() else f"{name}.1"
 
 
 def _nixl_reason(exc: Exception) -> str:

@@ -68,29 +68,36 @@ class WorkerSide:
         self.platform = platform
         backend = platform.nixl_backend(self.config.backend)
         log.info("neuron-disagg rank %d: %s", self.tp_rank, reason)
+        # Two agents per rank, each owned by one thread. The target's (P's lender, D's receiver)
+        # is the one peers learn, by name, from offers and registrations; the initiator's (P's
+        # writer, D's reader) posts, and may be replaced after a failed transfer (transport.py).
         self.transport = NixlTransport(self.agent_name, backend, platform.memory_type)
-        self.transport.register(self.regions)
+        initiator = "writer" if self.role == "prefill" else "reader"
+        self.initiator = NixlTransport(f"{self.agent_name}-{initiator}", backend, platform.memory_type)
+        for transport in (self.transport, self.initiator):
+            transport.register(self.regions)
         info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
                          tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
         self.rank_regions = RankRegions(self.tp_rank, self.agent_name, self.regions)
 
-        def peers(kind: str) -> Peers:
-            return Peers(self.transport, SideChannelClient(self.codec), self.address,
+        def peers(transport, kind: str) -> Peers:
+            return Peers(transport, SideChannelClient(self.codec), self.address,
                          f"{self.role}{self.tp_rank}-{kind}")
 
         t = self.config
         if self.role == "prefill":
             core = ProducerCore(self.regions, self.tp_rank, self.tp_size, t.producer_timeouts())
-            self.thread = PushWriter(core, self.transport, self.codec, peers("push"), self._on_free)
+            self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free)
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.max_write_s, t.clock_skew_allowance_s,
-                                              t.tombstone_s), self.transport, self.codec, peers("pull"), self._on_free)
+                                              t.tombstone_s), self.transport, self.codec,
+                                   peers(self.transport, "pull"), self._on_free)
             routes = {Registration: self.thread, Heartbeat: self.thread, Cancel: self.thread, ReadFailed: self.pull}
         else:
             core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts())
-            self.thread = PushReceiver(core, self.transport, self.codec, peers("push"), self._on_loaded,
-                                       self._on_failed, self._on_free)
+            self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
+                                       self._on_loaded, self._on_failed, self._on_free)
             self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s),
-                                   self.transport, self.codec, peers("pull"), self._on_loaded,
+                                   self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
             routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}
 
@@ -226,3 +233,4 @@ class WorkerSide:
             self.thread.shutdown()
             self.server.close()
             self.transport.close()
+            self.initiator.close()

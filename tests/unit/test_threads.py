@@ -185,3 +185,39 @@ def test_registration_reaches_prefill_only_after_the_decode_fence(ranks):
     while not registrations and time.monotonic() < deadline:
         time.sleep(0.02)
     assert registrations
+
+
+def test_a_transport_that_needs_it_gets_a_new_agent_after_a_failed_write(ranks):
+    """LIBFABRIC's agent is unusable after a write to a dead peer (measured; see transport.py): the
+    writer replaces it and later writes, also to peers the old agent knew, land."""
+    p, good, dead = ranks("prefill"), ranks("decode"), ranks("decode")
+    p.peer.transport.reset_after_failure = True
+    p.fill(blocks=[1, 2], seed=1)
+    _register(good, p, ("warm", 0), [1, 2])
+    p.kv_ready(tid=["warm", 0], blocks=[1, 2])
+    good.wait("loaded", ("warm", 0))
+
+    p.peer.transport.fail_posts_to.add(dead.peer.agent)
+    _register(dead, p, ("doomed", 0), [3])
+    time.sleep(0.2)
+    p.kv_ready(tid=["doomed", 0], blocks=[3])
+    assert dead.wait("failed", ("doomed", 0))["reason"]
+    assert p.wait("free", ("doomed", 0))["blocks"] == [3]
+
+    _register(good, p, ("after", 0), [4, 5])
+    p.kv_ready(tid=["after", 0], blocks=[1, 2])
+    good.wait("loaded", ("after", 0))
+    assert good.digest(blocks=[4, 5]) == p.digest(blocks=[1, 2])
+    assert p.peer.transport.name == f"{p.peer.agent}.1"
+    assert p.peer.thread.stats["agent_resets"] == 1
+
+
+def test_without_the_need_a_failed_write_keeps_the_agent(ranks):
+    p, dead = ranks("prefill"), ranks("decode")
+    p.peer.transport.fail_posts_to.add(dead.peer.agent)
+    _register(dead, p, ("doomed", 0), [3])
+    time.sleep(0.2)
+    p.kv_ready(tid=["doomed", 0], blocks=[3])
+    p.wait("free", ("doomed", 0))
+    assert p.peer.transport.name == p.peer.agent
+    assert p.peer.thread.stats["agent_resets"] == 0
