@@ -2,7 +2,8 @@
 # (from the latest GPU DLAMI), each found through AWS's public SSM parameters so a rebuild always
 # starts from the current release. Provisioning installs and verifies, in order: the EFA software
 # (GPG-checked), RDMA memory limits, vLLM + NIXL + neuron-disagg, the libcuda stub (Trainium only),
-# the systemd units; the last step runs `neuron-disagg doctor` and fails the build if it fails.
+# the systemd units; the last step runs `neuron-disagg doctor --image` and fails the build if it
+# fails. The builders are ordinary m6i instances (see neuron_instance_type for why).
 #
 #   ami/build.sh                       # builds the wheel, then `packer init` + `packer build` here
 #   packer build -only='amazon-ebs.neuron' -var wheel=dist/neuron_disagg-0.1.0-py3-none-any.whl ami/
@@ -47,16 +48,25 @@ variable "cuda_ssm_parameter" {
   description = "Public SSM parameter holding the GPU DLAMI to start from."
 }
 
+# The builders are small general-purpose instances, not trn2/p5en: nothing in the bake needs an
+# accelerator. The EFA installer, the Neuron and NVIDIA driver packages (already in the DLAMIs) and
+# vLLM's wheels install without the devices, and the last step, `neuron-disagg doctor --image`,
+# checks that the software loads without requiring devices (tests/deploy/test_ami.py runs it on a
+# host with none). So a bake needs no Capacity Block and no accelerator quota, starts in any zone
+# and costs well under a dollar an hour instead of tens of dollars. m6i: x86_64 Nitro (both DLAMIs
+# are x86_64 images with ENA, which boot on it), offered in every commercial region; 8 vCPUs and
+# 32 GiB build the EFA kernel module and install vLLM/torch wheels quickly. What only the serving
+# hardware can show (devices, EFA) `neuron-disagg doctor` checks on the launched instances.
 variable "neuron_instance_type" {
   type        = string
-  default     = "trn2.48xlarge"
-  description = "Builder for the Trainium AMI; doctor checks devices and EFA, so build on the type you serve on."
+  default     = "m6i.2xlarge"
+  description = "Builder for the Trainium AMI: any x86_64 Nitro type (no Trainium needed; see above)."
 }
 
 variable "cuda_instance_type" {
   type        = string
-  default     = "p5en.48xlarge"
-  description = "Builder for the H200 AMI."
+  default     = "m6i.2xlarge"
+  description = "Builder for the H200 AMI: any x86_64 Nitro type (no GPU needed; see above)."
 }
 
 variable "subnet_id" {
@@ -68,7 +78,7 @@ variable "subnet_id" {
 variable "capacity_reservation_id" {
   type        = string
   default     = null
-  description = "Optional capacity reservation (cr-...) for the builder."
+  description = "Optional capacity reservation (cr-...) for the builder; the default builders need none."
 }
 
 variable "nixl_version" {

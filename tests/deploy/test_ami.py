@@ -1,10 +1,12 @@
-"""ami/: the Packer template parses and agrees with what launch looks for; the provisioning scripts
-pass shellcheck; the libcuda stub builds and answers CUDA_ERROR_NO_DEVICE; the EFA installer step
-refuses anything not signed by the pinned key (exercised with a throwaway key over local HTTP)."""
+"""ami/: the Packer template parses, agrees with what launch looks for and builds on ordinary
+instances; its doctor step needs no accelerator; the provisioning scripts pass shellcheck; the
+libcuda stub builds and answers CUDA_ERROR_NO_DEVICE; the EFA installer step refuses anything not
+signed by the pinned key (exercised with a throwaway key over local HTTP)."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import re
 import shutil
@@ -17,7 +19,8 @@ import hcl2
 import pytest
 
 from neuron_disagg.deploy import ami
-
+from neuron_disagg.deploy.instance_types import InstanceTypeInfo
+from neuron_disagg.doctor import run_checks
 from neuron_disagg.local_cluster import free_port
 
 from .conftest import wait_until_serving
@@ -80,6 +83,41 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
     assert unquote(variables["doctor_command"]["default"]) == "neuron-disagg doctor --image"
     assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
+
+
+def test_builders_are_ordinary_x86_instances_without_accelerators(template, ec2):
+    """The bake must not wait for (or pay for) trn2/p5en capacity: each source builds on its variable,
+    whose default moto's copy of AWS's instance data shows to have no Neuron device and no GPU, and
+    to run x86_64 like both DLAMIs; no capacity reservation by default."""
+    sources = blocks(template["source"], "amazon-ebs")
+    variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
+    for platform, source in sources.items():
+        assert unquote(source["instance_type"]) == f"${{var.{platform}_instance_type}}"
+        builder = unquote(variables[f"{platform}_instance_type"]["default"])
+        item = ec2.describe_instance_types(InstanceTypes=[builder])["InstanceTypes"][0]
+        assert InstanceTypeInfo.from_api(item).platform is None, builder
+        assert "x86_64" in item["ProcessorInfo"]["SupportedArchitectures"]
+        assert not builder.startswith(("trn", "inf", "p4", "p5", "p6", "g"))
+    assert variables["capacity_reservation_id"]["default"] is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,
+                    reason="doctor checks vLLM and NIXL, which the bake installs (scripts/setup.sh here)")
+def test_doctor_image_passes_on_a_host_without_accelerators(tmp_path, monkeypatch):
+    """What 90-doctor.sh runs on the builder: with the units' fabric environment and a filesystem root
+    holding no Neuron or NVIDIA device, `doctor --image` finds no failure (the devices are checked on
+    the launched instances, by `doctor` without --image)."""
+    fabric = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
+              "FI_EFA_ENABLE_SHM_TRANSFER": "0"}  # as ami/scripts/50-units.sh writes fabric.env
+    for key, value in fabric.items():
+        monkeypatch.setenv(key, value)
+    checks, summary = run_checks(root=str(tmp_path), image=True)
+    failed = [(c.name, c.message) for c in checks if c.status == "fail"]
+    assert failed == []
+    assert summary["platform"] == "cpu"
+    by_name = {c.name: c for c in checks}
+    assert by_name["secret"].status == "warn" and "image being baked" in by_name["secret"].message
+    assert by_name["neuron devices"].status == "ok" and by_name["efa devices"].status == "ok"
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh", *sorted((AMI.parent / "scripts").glob("*.sh"))],
