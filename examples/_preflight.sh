@@ -42,8 +42,16 @@ fi
 if [[ -n "${KEY_NAME:-}" ]]; then
   launch_flags+=(--key-name "$KEY_NAME")
 fi
+# The instances read the deployment secret from SSM with their instance profile's role; without one
+# the secret can only travel in the user data, which must be asked for explicitly.
 if [[ -n "${IAM_INSTANCE_PROFILE:-}" ]]; then
-  launch_flags+=(--iam-instance-profile "$IAM_INSTANCE_PROFILE")  # e.g. for SSM port forwarding to the router
+  launch_flags+=(--iam-instance-profile "$IAM_INSTANCE_PROFILE")  # also for SSM port forwarding to the router
+elif [[ "${SECRET_IN_USER_DATA:-0}" == 1 ]]; then
+  launch_flags+=(--secret-in-user-data)
+else
+  fail "set IAM_INSTANCE_PROFILE to an instance profile allowed to read the deployment secret from SSM" \
+    "(examples/README.md, step 2, creates one), or SECRET_IN_USER_DATA=1 to put the secret into the" \
+    "instances' user data instead (readable by anyone allowed ec2:DescribeInstanceAttribute)"
 fi
 if [[ -z "${KEY_NAME:-}" && -z "${IAM_INSTANCE_PROFILE:-}" ]]; then
   echo "note: neither IAM_INSTANCE_PROFILE nor KEY_NAME is set: nothing will reach the router on its" \

@@ -3,19 +3,22 @@
 # The prefill instance (P) pushes each prompt's KV cache straight into the decode instance's (D)
 # memory over EFA; the router on P's host sends every request to both at once.
 #
-#   export AWS_REGION=us-east-2 SUBNET_ID=subnet-0123456789abcdef0 KEY_NAME=my-key
+#   export AWS_REGION=us-east-2 SUBNET_ID=subnet-0123456789abcdef0 IAM_INSTANCE_PROFILE=neuron-disagg
 #   export NEURON_DISAGG_SECRET=$(openssl rand -hex 32)   # keep it: the same secret for the whole deployment
 #   examples/trn2_1p1d.sh              # DRY_RUN=1 examples/trn2_1p1d.sh prints the AWS calls, makes none
 #
-# Optional: CAPACITY_BLOCK=cr-... (run inside a purchased Capacity Block), IAM_INSTANCE_PROFILE=name
-# (for SSM sessions), DEPLOYMENT=name, NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including baking the AMI first.
+# IAM_INSTANCE_PROFILE's role reads the secret from SSM at boot (examples/README.md, step 2, creates it).
+# Optional: CAPACITY_BLOCK=cr-... (run inside a purchased Capacity Block), KEY_NAME=key pair,
+# SECRET_IN_USER_DATA=1 (no instance profile: the secret goes into user data), DEPLOYMENT=name,
+# NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including baking the AMI first.
 # This script differs from p5en_1p1d.sh only in INSTANCE_TYPE: same model config, and each
 # instance picks its platform at runtime.
 set -euo pipefail
 
 INSTANCE_TYPE=trn2.48xlarge
 
-# 1. Prerequisites, checked before any AWS call: the CLI, AWS credentials, region, subnet, the secret.
+# 1. Prerequisites, checked before any AWS call: the CLI, AWS credentials, region, subnet, the secret,
+#    an instance profile to read it with.
 # shellcheck source-path=SCRIPTDIR source=_preflight.sh
 . "$(dirname "${BASH_SOURCE[0]}")/_preflight.sh"
 

@@ -5,8 +5,8 @@
 #
 #   examples/xpyd.sh 2 4                     # 2P4D on trn2.48xlarge
 #   examples/xpyd.sh 1 3 p5en.48xlarge       # 1P3D on p5en
-# Same environment as trn2_1p1d.sh (AWS_REGION, SUBNET_ID, NEURON_DISAGG_SECRET, optional KEY_NAME,
-# IAM_INSTANCE_PROFILE, CAPACITY_BLOCK, DEPLOYMENT, DRY_RUN=1). A Capacity Block must hold X+Y instances of one type;
+# Same environment as trn2_1p1d.sh (AWS_REGION, SUBNET_ID, NEURON_DISAGG_SECRET, IAM_INSTANCE_PROFILE,
+# optional KEY_NAME, SECRET_IN_USER_DATA=1, CAPACITY_BLOCK, DEPLOYMENT, DRY_RUN=1). A Capacity Block must hold X+Y instances of one type;
 # `neuron-disagg launch CONFIG --instance-type T --prefill X --decode Y --capacity-block-offerings 24`
 # lists offers.
 set -euo pipefail

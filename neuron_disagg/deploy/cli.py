@@ -18,6 +18,7 @@ from .capacity import offerings, print_offerings
 from .cloud import Cloud, DryRunCloud
 from .errors import DeployError, DeploymentConfigError
 from .launch import launch
+from .secret_parameter import describe_state
 from .settings import DeploymentConfig
 from .status import print_status, status
 from .teardown import teardown
@@ -46,7 +47,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--subnet", help="subnet id (fixes VPC and Availability Zone)")
         parser.add_argument("--key-name", help="EC2 key pair name")
         parser.add_argument("--iam-instance-profile", metavar="NAME",
-                            help="instance profile for the instances (SSM sessions, secret_ssm_parameter)")
+                            help="instance profile of the instances: reads the secret's SSM parameter at boot "
+                                 "(required unless --secret-in-user-data), allows SSM sessions")
+        parser.add_argument("--secret-in-user-data", action="store_true", default=None,
+                            help="put the secret into the user data instead of SSM (no instance profile needed; "
+                                 "readable by anyone allowed ec2:DescribeInstanceAttribute)")
         parser.add_argument("--capacity-block", metavar="CR_ID",
                             help="run every instance in this purchased Capacity Block reservation (cr-...)")
         parser.add_argument("--router-on", choices=["prefill", "decode"], help="host of the router (default prefill)")
@@ -67,8 +72,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 _DESCRIPTIONS = {
     "launch": "Launch prefill and decode instances (with EFA on every network card) and the router.",
-    "status": "List a deployment's instances with state and addresses.",
-    "teardown": "Terminate a deployment's instances and delete its placement and security groups.",
+    "status": "List a deployment's instances with state and addresses, and whether its secret parameter exists.",
+    "teardown": "Terminate a deployment's instances; delete its placement and security groups and secret parameter.",
 }
 
 
@@ -77,7 +82,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     capacity = get("capacity_block")
     return {
         "name": get("name"), "region": get("region"), "subnet_id": get("subnet"), "key_name": get("key_name"),
-        "iam_instance_profile": get("iam_instance_profile"),
+        "iam_instance_profile": get("iam_instance_profile"), "secret_in_user_data": get("secret_in_user_data"),
         "prefill.instance_type": get("prefill_instance_type") or get("instance_type"),
         "decode.instance_type": get("decode_instance_type") or get("instance_type"),
         "prefill.count": get("prefill"), "decode.count": get("decode"),
@@ -122,7 +127,9 @@ def _launch(args: argparse.Namespace) -> int:
     print(f"deployment {deployment.name}: {deployment.prefill.count}P{deployment.decode.count}D launched; "
           f"router at {result.router_url} once the instances have booted and loaded the model.\n"
           f"watch: neuron-disagg status {args.config} --name {deployment.name} --region {deployment.region}\n"
-          f"logs on an instance: journalctl -u neuron-disagg-prefill -u neuron-disagg-decode -u neuron-disagg-router",
+          f"logs on an instance: journalctl -u neuron-disagg-prefill -u neuron-disagg-decode -u neuron-disagg-router"
+          + (f"\nthe secret is in SecureString {result.secret_parameter}; teardown deletes it"
+             if result.secret_parameter else ""),
           file=sys.stderr)
     print_status(status(cloud, deployment.name),
                  deployment.name, deployment.router.port, sys.stdout)
@@ -131,19 +138,27 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     deployment = _load(args)
-    rows = status(_cloud(deployment, False), deployment.name, include_terminated=args.all)
-    print_status(rows, deployment.name, deployment.router.port, sys.stdout, as_json=args.json)
+    cloud = _cloud(deployment, False)
+    rows = status(cloud, deployment.name, include_terminated=args.all)
+    secret = None if deployment.secret_in_user_data else (
+        deployment.secret_parameter, describe_state(cloud, deployment.secret_parameter, deployment.name))
+    print_status(rows, deployment.name, deployment.router.port, sys.stdout, as_json=args.json, secret=secret)
     return 0
 
 
 def _teardown(args: argparse.Namespace) -> int:
     deployment = _load(args)
     cloud = _cloud(deployment, args.dry_run)
-    result = teardown(cloud, deployment.name, timeout_s=args.timeout_s, poll_s=args.poll_s)
+    # With secret_in_user_data, launch stored no parameter (and the account may not allow SSM at all).
+    parameter = None if deployment.secret_in_user_data else deployment.secret_parameter
+    result = teardown(cloud, deployment.name, secret_parameter_name=parameter,
+                      timeout_s=args.timeout_s, poll_s=args.poll_s)
     if cloud.dry_run:
         print(f"dry run: {len(cloud.calls)} calls printed, none made", file=sys.stderr)
     elif result.anything:
-        print(f"deployment {deployment.name}: torn down ({len(result.terminated)} instance(s) terminated)")
+        deleted = (f", SecureString {result.secret_parameter_deleted} deleted"
+                   if result.secret_parameter_deleted else "")
+        print(f"deployment {deployment.name}: torn down ({len(result.terminated)} instance(s) terminated{deleted})")
     else:
         print(f"deployment {deployment.name}: nothing to tear down")
     return 0

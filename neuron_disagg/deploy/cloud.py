@@ -51,6 +51,11 @@ def translate(exc: ClientError, operation: str, params: dict[str, Any]) -> Deplo
         return QuotaExceeded(f"the account's quota does not allow another {instance_type} ({code}: {message}); "
                              "request an increase in Service Quotas (EC2 > 'Running On-Demand Trn instances' or "
                              "'... P instances'), or use a Capacity Block, which needs no on-demand quota")
+    if "instance profile" in message.lower() or "iaminstanceprofile" in message.lower():
+        profile = params.get("IamInstanceProfile", {}).get("Name", "the instance profile")
+        return AwsCallFailed(operation, code, f"{message}. Check that instance profile {profile} exists in this "
+                             "account (examples/README.md, step 2, creates one; a profile created seconds ago "
+                             "may need a few more before EC2 accepts it)")
     if code == "InvalidInstanceType":
         return UnsupportedInstanceType(f"{instance_type} is not an instance type in this region ({message}); "
                                        "check the spelling")
@@ -113,6 +118,12 @@ class Cloud:
         time.sleep(seconds)
 
 
+#: Parameters that may hold a secret, by call: the dry run prints them redacted whatever the caller
+#: passed (the callers pass a placeholder already; this makes a slip there harmless).
+SECRET_PARAMETERS: dict[tuple[str, str], tuple[str, ...]] = {("ssm", "PutParameter"): ("Value",)}
+REDACTED = "<redacted>"
+
+
 class DryRunCloud(Cloud):
     """Prints every call as one JSON line on ``out`` and returns None; needs no credentials.
 
@@ -129,6 +140,8 @@ class DryRunCloud(Cloud):
         self.calls: list[dict[str, Any]] = []
 
     def call(self, service: str, operation: str, **params: Any) -> None:
+        secret_keys = SECRET_PARAMETERS.get((service, operation), ())
+        params = {key: REDACTED if key in secret_keys else value for key, value in params.items()}
         record = {"operation": f"{service}:{operation}", "parameters": params}
         self.calls.append(record)
         print(json.dumps(record, default=str), file=self.out, flush=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import ami, network, user_data
+from . import ami, network, secret_parameter, user_data
 from .cloud import Cloud, placeholder
 from .errors import DeployError, DeploymentExists
 from .instance_types import InstanceTypeInfo, describe
@@ -41,6 +41,7 @@ class LaunchResult:
     placement_group: str = ""
     security_group_id: str = ""
     router_url: str = ""
+    secret_parameter: str = ""  # the SecureString holding the secret; empty with secret_in_user_data
 
 
 def plan_instances(deployment: DeploymentConfig) -> list[Planned]:
@@ -93,8 +94,12 @@ def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: 
 def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
     deployment.require_launchable()
     secret = None
-    if not cloud.dry_run and not deployment.secret_ssm_parameter:
+    if not cloud.dry_run:  # a dry run prints the calls without needing (or ever showing) the secret
         secret = deployment.neuron_disagg.load_secret()  # before any AWS call: fail fast, locally
+    if deployment.secret_in_user_data:
+        cloud.note("WARNING: secret_in_user_data: the deployment secret goes into each instance's user data, "
+                   "which anyone allowed ec2:DescribeInstanceAttribute in this account can read. Prefer the "
+                   f"default, the SSM SecureString {deployment.secret_parameter} read with iam_instance_profile.")
     running = find_instances(cloud, deployment.name)  # [] in a dry run
     if running:
         raise DeploymentExists(
@@ -114,6 +119,9 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
     result.placement_group = network.ensure_placement_group(cloud, deployment.name, tags)
     result.security_group_id = network.ensure_security_group(cloud, deployment.name, vpc_id, tags)
     groups = [result.security_group_id, *deployment.extra_security_group_ids]
+    if not deployment.secret_in_user_data:
+        secret_parameter.store(cloud, deployment.secret_parameter, secret, deployment.name, tags)
+        result.secret_parameter = deployment.secret_parameter
 
     planned = plan_instances(deployment)
     try:
@@ -126,7 +134,8 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
                     deployment,
                     [ips[f"prefill-{i}"] for i in range(deployment.prefill.count)],
                     [ips[f"decode-{i}"] for i in range(deployment.decode.count)])
-            script = user_data.render(deployment, instance.role, instance.index, router_args=router, secret=secret)
+            script = user_data.render(deployment, instance.role, instance.index, router_args=router,
+                                      secret=secret if deployment.secret_in_user_data else None)
             info = types[instance.instance_type]
             params = run_instances_params(deployment, instance, info, images[info.platform],
                                           result.placement_group, groups, script)
@@ -145,7 +154,8 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
         if started and not cloud.dry_run:
             cloud.call("ec2", "TerminateInstances", InstanceIds=started)
             exc.args = (f"{exc}\n(terminated the {len(started)} instance(s) this launch had started: "
-                        f"{', '.join(started)}; the placement and security groups are kept for the next try)",)
+                        f"{', '.join(started)}; the placement and security groups and the secret parameter are "
+                        "kept for the next try, `neuron-disagg teardown` removes them)",)
         raise
     host = next(p for p in planned if p.router)
     result.router_url = f"http://{host.private_ip}:{deployment.router.port}"

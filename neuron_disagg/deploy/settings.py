@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import Config
 from .errors import DeploymentConfigError
@@ -22,6 +22,9 @@ from .errors import DeploymentConfigError
 _PLAIN_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@%-]+$")
 #: Where the secret lives on every instance (root-only); the instance config points at it.
 INSTANCE_SECRET_FILE = "/etc/neuron-disagg/secret"
+#: The SecureString holding a deployment's secret unless secret_ssm_parameter names another. Under one
+#: prefix so that a single IAM statement (examples/README.md, step 2) covers every deployment.
+SECRET_PARAMETER_TEMPLATE = "/neuron-disagg/{name}/secret"
 
 
 class RoleGroup(BaseModel):
@@ -56,7 +59,8 @@ class DeploymentConfig(BaseModel):
                                   description="fixes the VPC and the Availability Zone")
     key_name: str | None = None
     iam_instance_profile: str | None = Field(
-        None, description="instance profile name; needed for secret_ssm_parameter and SSM sessions")
+        None, description="instance profile name; its role reads the secret parameter at boot (required "
+                          "unless secret_in_user_data) and allows SSM sessions")
     extra_security_group_ids: list[str] = Field(
         default_factory=list, description="attached besides ours, e.g. one allowing SSH from a bastion")
     ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]+$",
@@ -74,8 +78,12 @@ class DeploymentConfig(BaseModel):
     router: RouterSettings = Field(default_factory=RouterSettings)
 
     secret_ssm_parameter: str | None = Field(
-        None, pattern=r"^/[A-Za-z0-9_./-]+$",
-        description="instances fetch the secret from this SecureString at boot instead of user data")
+        None, pattern=r"^/[A-Za-z0-9_./-]+$", max_length=1011,
+        description="SecureString launch writes the secret to and the instances read it from at boot; "
+                    f"default {SECRET_PARAMETER_TEMPLATE.format(name='<name>')}")
+    secret_in_user_data: bool = Field(
+        False, description="put the secret into the instances' user data instead of SSM, for accounts "
+                           "without an instance profile; anyone allowed ec2:DescribeInstanceAttribute can read it")
     tags: dict[str, str] = Field(default_factory=dict, description="added to every resource")
     neuron_disagg: Config = Field(default_factory=Config,
                                   description="the neuron-disagg Config each instance runs with")
@@ -95,6 +103,20 @@ class DeploymentConfig(BaseModel):
         if not _PLAIN_ARG.match(model):
             raise ValueError("model may hold only letters, digits and _./:=,+@%- (a Hugging Face id or a path)")
         return model
+
+    @field_validator("secret_ssm_parameter")
+    @classmethod
+    def _not_reserved_parameter(cls, name: str | None) -> str | None:
+        if name and name.lower().startswith(("/aws", "/ssm")):
+            raise ValueError("parameter names under /aws and /ssm are reserved by AWS")
+        return name
+
+    @model_validator(mode="after")
+    def _one_place_for_the_secret(self) -> "DeploymentConfig":
+        if self.secret_in_user_data and self.secret_ssm_parameter:
+            raise ValueError("secret_in_user_data and secret_ssm_parameter contradict each other: the secret "
+                             "goes either into user data or into the SSM parameter; drop one")
+        return self
 
     @field_validator("tags")
     @classmethod
@@ -154,13 +176,11 @@ class DeploymentConfig(BaseModel):
                 missing.append(f"  {dotted} (or {flags[dotted]})" if dotted in flags else f"  {dotted}")
         if missing:
             raise DeploymentConfigError("the deployment config lacks:\n" + "\n".join(missing))
-        if self.secret_ssm_parameter and not self.iam_instance_profile:
-            raise DeploymentConfigError(
-                "secret_ssm_parameter needs iam_instance_profile: the instances read the parameter with "
-                "their own role (ssm:GetParameter and kms:Decrypt on it)")
 
     def require_launchable(self) -> None:
         self.require("region", "subnet_id", "prefill.instance_type", "decode.instance_type")
+        if not self.secret_in_user_data and not self.iam_instance_profile:
+            raise DeploymentConfigError(missing_instance_profile_advice(self.secret_parameter))
 
     # -- derived --------------------------------------------------------------------------------------
     def instance_config(self) -> dict[str, Any]:
@@ -178,5 +198,39 @@ class DeploymentConfig(BaseModel):
             args += ["--max-model-len", str(self.max_model_len)]
         return args + list(self.vllm_args)
 
+    @property
+    def secret_parameter(self) -> str:
+        """The SecureString of this deployment's secret (launch writes it unless secret_in_user_data;
+        teardown deletes it if launch created it)."""
+        return self.secret_ssm_parameter or SECRET_PARAMETER_TEMPLATE.format(name=self.name)
+
     def resource_tags(self) -> dict[str, str]:
         return {**self.tags, "neuron-disagg:deployment": self.name}
+
+
+def missing_instance_profile_advice(parameter: str) -> str:
+    """What to do when the instances would have no role to read the secret with: the commands that
+    create one (the same as examples/README.md, step 2), or the inline opt-in and its cost."""
+    # One statement for every deployment under the default prefix; an overridden name elsewhere is named exactly.
+    readable = "/neuron-disagg/*" if parameter.startswith("/neuron-disagg/") else parameter
+    policy = ('{"Version":"2012-10-17","Statement":['
+              f'{{"Effect":"Allow","Action":"ssm:GetParameter","Resource":"arn:aws:ssm:*:*:parameter{readable}"}},'
+              '{"Effect":"Allow","Action":"kms:Decrypt","Resource":"*",'
+              '"Condition":{"StringLike":{"kms:ViaService":"ssm.*.amazonaws.com"}}}]}')
+    trust = ('{"Version":"2012-10-17","Statement":[{"Effect":"Allow",'
+             '"Principal":{"Service":"ec2.amazonaws.com"},"Action":"sts:AssumeRole"}]}')
+    return (
+        f"no iam_instance_profile: launch stores the deployment secret in the SSM SecureString {parameter} "
+        "and each instance reads it at boot with its instance profile's role, so the instances need one.\n"
+        "Create one once (examples/README.md, step 2, explains each command):\n"
+        f"  aws iam create-role --role-name neuron-disagg --assume-role-policy-document '{trust}'\n"
+        "  aws iam put-role-policy --role-name neuron-disagg --policy-name neuron-disagg-secret "
+        f"--policy-document '{policy}'\n"
+        "  aws iam attach-role-policy --role-name neuron-disagg "
+        "--policy-arn arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore   # optional: SSM sessions\n"
+        "  aws iam create-instance-profile --instance-profile-name neuron-disagg\n"
+        "  aws iam add-role-to-instance-profile --instance-profile-name neuron-disagg --role-name neuron-disagg\n"
+        "then set iam_instance_profile: neuron-disagg (or pass --iam-instance-profile neuron-disagg; "
+        "IAM_INSTANCE_PROFILE=neuron-disagg for the example scripts).\n"
+        "Or, where no instance profile is possible, set secret_in_user_data: true (--secret-in-user-data): "
+        "the secret then travels in the user data, readable by anyone allowed ec2:DescribeInstanceAttribute.")

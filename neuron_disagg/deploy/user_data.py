@@ -5,8 +5,11 @@ the AMI (ami/units/).
 Why user data rather than a config baked into the AMI: one AMI serves every deployment; what
 differs per instance (role, model, peers' addresses) is only known at launch. The host's own IP is
 filled in at boot from the instance metadata service, because the side channel must listen on, and
-advertise, an address the peer can reach. ``NEURON_DISAGG_ROOT`` prefixes every path so that a test
-can run the script in a scratch directory.
+advertise, an address the peer can reach. The secret is not in the script: it reads it from the
+deployment's SSM SecureString with the instance's role (see secret_parameter.py for why); only with
+``secret_in_user_data`` does the script carry it. ``NEURON_DISAGG_ROOT`` prefixes every path and
+``NEURON_DISAGG_RETRY_DELAY_S`` shortens the wait between reads, so that a test can run the script
+in a scratch directory.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .settings import DeploymentConfig
 
 Role = Literal["prefill", "decode"]
 HOST_IP = "__HOST_IP__"  # replaced at boot by the instance's private IPv4 address
+SECRET_READ_ATTEMPTS = 12  # 10 s apart: two minutes for the instance role's credentials to work
 _END = "NEURON_DISAGG_EOF"
 
 _HEADER = """#!/bin/bash
@@ -56,10 +60,27 @@ base64 -d > "$ETC/secret" <<'{end}'
 """
 
 _SECRET_SSM = """
-# The deployment secret, fetched with this instance's role from SecureString {parameter}.
+# The deployment secret, read with this instance's role from SecureString {parameter}, root-only.
+# Retried: the role's credentials can take a few seconds after boot (or after the role was created)
+# to work. The value goes straight into the file, never to this log.
+if ! command -v aws > /dev/null; then
+  echo "neuron-disagg: no aws command on this AMI to read the secret from SSM with (the DLAMIs ship it)" >&2
+  exit 1
+fi
 install -m 0600 /dev/null "$ETC/secret"
-aws ssm get-parameter --region {region} --with-decryption --name {parameter} \\
-  --query Parameter.Value --output text > "$ETC/secret"
+for attempt in $(seq 1 {attempts}); do
+  if aws ssm get-parameter --region {region} --with-decryption --name {parameter} \\
+      --query Parameter.Value --output text > "$ETC/secret" && [[ -s "$ETC/secret" ]]; then
+    break
+  fi
+  if [[ "$attempt" == {attempts} ]]; then
+    echo "neuron-disagg: could not read the deployment secret from SecureString {parameter}: this instance's" \\
+      "profile needs ssm:GetParameter on it and kms:Decrypt through SSM (examples/README.md, step 2)" >&2
+    exit 1
+  fi
+  echo "neuron-disagg: reading SecureString {parameter} failed (attempt $attempt of {attempts}); retrying" >&2
+  sleep "${{NEURON_DISAGG_RETRY_DELAY_S:-10}}"
+done
 """
 
 _FILE = """
@@ -91,15 +112,15 @@ def _env_file(values: dict[str, str]) -> str:
 
 def render(deployment: DeploymentConfig, role: Role, index: int, *, router_args: list[str] | None,
            secret: bytes | None) -> str:
-    """The user data of one instance. ``secret`` is None when instances fetch it from SSM, or in a
-    dry run (the script then says where the secret would go, never the secret)."""
+    """The user data of one instance. ``secret`` is used only with ``secret_in_user_data``; it is None
+    in a dry run (the script then says where the secret would go, never the secret)."""
     parts = [_HEADER.format(role=role, index=index, name=deployment.name)]
     config = dict(deployment.instance_config(), side_channel_host=HOST_IP)
     parts.append(_FILE.format(path="config.yaml", end=_END, host_ip=HOST_IP,
                               body=yaml.safe_dump(config, sort_keys=True)))
-    if deployment.secret_ssm_parameter:
-        parts.append(_SECRET_SSM.format(region=shlex.quote(deployment.region or ""),
-                                        parameter=shlex.quote(deployment.secret_ssm_parameter)))
+    if not deployment.secret_in_user_data:
+        parts.append(_SECRET_SSM.format(region=shlex.quote(deployment.region or ""), attempts=SECRET_READ_ATTEMPTS,
+                                        parameter=shlex.quote(deployment.secret_parameter)))
     else:
         encoded = base64.b64encode(secret).decode() if secret is not None else "<secret, redacted in dry run>"
         parts.append(_SECRET_INLINE.format(end=_END, encoded=encoded))

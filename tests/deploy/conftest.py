@@ -8,7 +8,9 @@ What moto 5.2 lacks, and what stands in (each visible in the tests that use it):
 - EFA interface types: moto accepts ``InterfaceType efa``/``efa-only`` and ``NetworkCardIndex`` but
   drops them (every interface comes back as ``interface`` on card 0), so ``MotoGaps`` also records
   each RunInstances request as serialized on the wire, and the layout tests read that.
-- SSM ``/aws/...`` public parameters, Capacity Blocks: botocore's Stubber on the client.
+- SSM ``/aws/...`` public parameters (the DLAMI ids): ``PublicParameters`` answers GetParameter of
+  those the same way; every other SSM call (the deployment secret's SecureString) goes to moto.
+- Capacity Blocks: botocore's Stubber on the client.
 - an InsufficientInstanceCapacity answer: ``MotoGaps.fail_run_instances``.
 Never real AWS: every test runs with AWS_ENDPOINT_URL set, credentials ``testing`` and IMDS off.
 """
@@ -16,6 +18,7 @@ Never real AWS: every test runs with AWS_ENDPOINT_URL set, credentials ``testing
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -29,13 +32,13 @@ import boto3
 import pytest
 import yaml
 from botocore.awsrequest import AWSResponse
-from botocore.stub import Stubber
 
 from neuron_disagg.deploy.cloud import Cloud
 from neuron_disagg.local_cluster import free_port
 
 REGION = "us-east-2"
 SECRET = "0123456789abcdef0123456789abcdef"
+INSTANCE_PROFILE = "nd-test"  # every test config names it; the instance_profile fixture creates it in moto
 
 
 def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, what: str) -> None:
@@ -154,16 +157,61 @@ class MotoGaps:
         return None
 
 
+class PublicParameters:
+    """AWS's public ``/aws/service/...`` parameters (the DLAMI ids), which moto does not hold: set
+    them in ``values``; GetParameter of an unset one answers ParameterNotFound, as AWS would. Other
+    parameter names go to moto untouched. ``asked`` lists the public names looked up."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.asked: list[str] = []
+        self._params: dict[str, Any] = {}
+
+    def install(self, session: boto3.Session) -> None:
+        session.events.register("before-parameter-build.ssm.GetParameter", self._keep_params)
+        session.events.register("before-call.ssm.GetParameter", self._answer)
+
+    def _keep_params(self, params, **_):
+        self._params = dict(params)
+
+    def _answer(self, **_):
+        name = self._params.get("Name", "")
+        if not name.startswith("/aws/"):
+            return None  # to moto
+        self.asked.append(name)
+        if name not in self.values:
+            return error("ParameterNotFound", f"Parameter {name} not found.")
+        return _answer({"Parameter": {"Name": name, "Type": "String", "Value": self.values[name]}})
+
+
 @pytest.fixture
 def gaps() -> MotoGaps:
     return MotoGaps()
 
 
 @pytest.fixture
-def session(aws_env, gaps) -> boto3.Session:
+def public_parameters() -> PublicParameters:
+    return PublicParameters()
+
+
+@pytest.fixture
+def session(aws_env, gaps, public_parameters) -> boto3.Session:
     s = boto3.Session(region_name=REGION)
     gaps.install(s)
+    public_parameters.install(s)
     return s
+
+
+@pytest.fixture
+def instance_profile(session) -> str:
+    """The instance profile the test configs name, in moto's IAM (RunInstances checks that it exists)."""
+    iam = session.client("iam")
+    iam.create_role(RoleName=INSTANCE_PROFILE, AssumeRolePolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                                                "Action": "sts:AssumeRole"}]}))
+    iam.create_instance_profile(InstanceProfileName=INSTANCE_PROFILE)
+    iam.add_role_to_instance_profile(InstanceProfileName=INSTANCE_PROFILE, RoleName=INSTANCE_PROFILE)
+    return INSTANCE_PROFILE
 
 
 @pytest.fixture
@@ -195,15 +243,13 @@ def baked_ami(ec2) -> str:
 
 @pytest.fixture
 def ssm(session):
-    """An SSM client under Stubber: moto refuses /aws/ parameters."""
-    client = session.client("ssm")
-    with Stubber(client) as stubber:
-        yield client, stubber
+    """A plain SSM client for checking moto's state (the secret's SecureString)."""
+    return session.client("ssm")
 
 
 @pytest.fixture
-def cloud(session, ssm) -> Cloud:
-    return Cloud(session, log=io.StringIO(), clients={"ssm": ssm[0]})
+def cloud(session, instance_profile) -> Cloud:
+    return Cloud(session, log=io.StringIO())
 
 
 def write_config(tmp_path: Path, network: dict[str, str] | None = None, **values: Any) -> Path:
@@ -211,7 +257,7 @@ def write_config(tmp_path: Path, network: dict[str, str] | None = None, **values
         "name": "t1", "region": REGION, "model": "Qwen/Qwen3-32B", "tensor_parallel_size": 8,
         "prefill": {"instance_type": "trn2.48xlarge", "count": 1},
         "decode": {"instance_type": "trn2.48xlarge", "count": 1},
-        "key_name": "my-key",
+        "key_name": "my-key", "iam_instance_profile": INSTANCE_PROFILE,
         "neuron_disagg": {"mode": "push", "lease_s": 30},
     }
     if network:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
 import io
 import json
@@ -22,8 +23,9 @@ from .conftest import SECRET, write_config
 
 
 @pytest.fixture
-def use_session(monkeypatch, session):
-    """The CLI's boto3 session is the test's (moto endpoint + the stand-ins for moto's gaps)."""
+def use_session(monkeypatch, session, instance_profile):
+    """The CLI's boto3 session is the test's (moto endpoint + the stand-ins for moto's gaps), in an
+    account that holds the instance profile the test configs name."""
     monkeypatch.setattr(cli, "new_session", lambda region: session)
     return session
 
@@ -53,12 +55,33 @@ def test_dry_run_prints_every_call_and_makes_none(aws_env, network, gaps, ec2, t
         "t1-prefill-1", "t1-decode-0", "t1-prefill-0"]
     assert all(p["Placement"] == {"GroupName": "neuron-disagg-t1"} for p in runs)
     assert "efa-only" in runs[0]["NetworkInterfaces"] and "DescribeInstanceTypes" in runs[0]["NetworkInterfaces"]
-    assert "redacted in dry run" in runs[0]["UserData"] and SECRET not in out
+    assert "ssm get-parameter" in runs[0]["UserData"] and SECRET not in out
+    put = [r["parameters"] for r in records if r["operation"] == "ssm:PutParameter"]
+    assert put == [{"Name": "/neuron-disagg/t1/secret", "Value": "<redacted>", "Type": "SecureString",
+                    "Description": "neuron-disagg deployment secret of t1 (HMAC key of KV registrations)",
+                    "Tags": [{"Key": "neuron-disagg:created-by", "Value": "launch"},
+                             {"Key": "neuron-disagg:deployment", "Value": "t1"}]}]
+    assert operations.index("ssm:PutParameter") < operations.index("ec2:RunInstances")
     assert f"{len(records)} calls printed, none made" in err
     # nothing happened in moto
     assert gaps.placement_groups == {} and gaps.run_instances_wire == []
     assert ec2.describe_instances()["Reservations"] == []
     assert [g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]] == ["default", "default"]
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["ssm", "secret_in_user_data"])
+def test_dry_run_never_shows_the_secret(aws_env, network, tmp_path, capsys, inline):
+    """With the secret at hand (NEURON_DISAGG_SECRET is set by aws_env), in neither mode does it reach
+    stdout or stderr, in clear or in base64."""
+    flags = ["--secret-in-user-data"] if inline else []
+    code = cli.main(["launch", str(write_config(tmp_path, network)), "--dry-run", *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    for shown in (SECRET, base64.b64encode(SECRET.encode()).decode()):
+        assert shown not in out and shown not in err
+    operations = [r["operation"] for r in dry_run_records(out)]
+    assert ("ssm:PutParameter" in operations) is not inline
+    assert ("WARNING: secret_in_user_data" in err) is inline
 
 
 def test_dry_run_of_the_installed_command_needs_no_aws_at_all(tmp_path):
@@ -72,6 +95,8 @@ def test_dry_run_of_the_installed_command_needs_no_aws_at_all(tmp_path):
     operations = [r["operation"] for r in dry_run_records(done.stdout)]
     assert operations[:2] == ["ec2:DescribeInstances", "ec2:TerminateInstances"]
     assert "ec2:DeleteSecurityGroup" in operations and "ec2:DeletePlacementGroup" in operations
+    deletes = [r["parameters"] for r in dry_run_records(done.stdout) if r["operation"] == "ssm:DeleteParameter"]
+    assert deletes == [{"Name": "/neuron-disagg/qwen3-32b/secret"}]
 
 
 def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami, ec2, tmp_path, capsys):
@@ -80,23 +105,38 @@ def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami,
     assert cli.main(["launch", config, "--instance-type", "trn1.32xlarge", "--name", "cli"]) == 0
     out, err = capsys.readouterr()
     assert "1P1D launched" in err and "cli-prefill-0" in out and "<- router" in out
+    assert "the secret is in SecureString /neuron-disagg/cli/secret; teardown deletes it" in err
+    assert SECRET not in out + err
 
     assert cli.main(["status", config, "--name", "cli"]) == 0
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0].split()[:5] == ["NAME", "INSTANCE_ID", "ROLE", "INSTANCE_TYPE", "STATE"]
     assert any("cli-decode-0" in line and "trn1.32xlarge" in line for line in lines)
+    assert lines[-1] == "secret: SecureString /neuron-disagg/cli/secret exists (created by launch)"
 
     assert cli.main(["status", config, "--name", "cli", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed["deployment"] == "cli" and {i["role"] for i in listed["instances"]} == {"prefill", "decode"}
+    assert listed["secret_parameter"] == {"name": "/neuron-disagg/cli/secret", "state": "exists (created by launch)"}
 
     assert cli.main(["teardown", config, "--name", "cli", "--poll-s", "0.1"]) == 0
-    assert "torn down (2 instance(s) terminated)" in capsys.readouterr().out
+    assert "torn down (2 instance(s) terminated, SecureString /neuron-disagg/cli/secret deleted)" in (
+        capsys.readouterr().out)
     assert cli.main(["teardown", config, "--name", "cli", "--poll-s", "0.1"]) == 0
     assert "nothing to tear down" in capsys.readouterr().out
     assert cli.main(["status", config, "--name", "cli"]) == 0
-    assert "no instances" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [
+        "deployment cli: no instances", "secret: SecureString /neuron-disagg/cli/secret does not exist"]
+
+
+def test_launch_without_an_instance_profile_says_how_to_create_one(aws_env, network, tmp_path, capsys):
+    config = str(write_config(tmp_path, network, iam_instance_profile=None))
+    for dry_run in ([], ["--dry-run"]):  # a dry run shows what a launch would do: this one would not start
+        assert cli.main(["launch", config, *dry_run]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "neuron-disagg launch: no iam_instance_profile" in err
+        assert "aws iam add-role-to-instance-profile" in err and "--secret-in-user-data" in err
 
 
 def test_missing_credentials_exit_code_and_message(aws_env, network, tmp_path, monkeypatch, capsys):

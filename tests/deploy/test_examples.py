@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from neuron_disagg.deploy.settings import missing_instance_profile_advice
 
 from .test_user_data import shellcheck
 
@@ -33,9 +36,12 @@ def run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedPro
                           timeout=120, cwd=REPO)
 
 
+def calls(stdout: str, operation: str) -> list[dict]:
+    return [r["parameters"] for r in map(json.loads, filter(None, stdout.splitlines())) if r["operation"] == operation]
+
+
 def launches(stdout: str) -> list[dict]:
-    return [r["parameters"] for r in map(json.loads, filter(None, stdout.splitlines()))
-            if r["operation"] == "ec2:RunInstances"]
+    return calls(stdout, "ec2:RunInstances")
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.sh")))
@@ -55,18 +61,32 @@ def test_trn2_and_p5en_scripts_differ_only_in_instance_type():
 @pytest.mark.parametrize("script, instance_type", [("trn2_1p1d.sh", "trn2.48xlarge"), ("p5en_1p1d.sh", "p5en.48xlarge")])
 def test_dry_run_of_the_1p1d_examples_shares_one_config(tmp_path, script, instance_type):
     done = run(script, clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                 KEY_NAME="k"))
+                                 KEY_NAME="k", IAM_INSTANCE_PROFILE="neuron-disagg"))
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert [p["InstanceType"] for p in params] == [instance_type, instance_type]
     assert all(p["KeyName"] == "k" and "MODEL=\"Qwen/Qwen3-32B\"" in p["UserData"] for p in params)
     assert all("--tensor-parallel-size 8" in p["UserData"] for p in params)
+    assert all(p["IamInstanceProfile"] == {"Name": "neuron-disagg"} for p in params)
+    deployment = f"qwen3-32b-{instance_type.split('.')[0]}"
+    assert [(p["Name"], p["Type"], p["Value"]) for p in calls(done.stdout, "ssm:PutParameter")] == [
+        (f"/neuron-disagg/{deployment}/secret", "SecureString", "<redacted>")]
     assert "calls printed, none made" in done.stderr
+
+
+def test_secret_in_user_data_is_the_explicit_way_without_an_instance_profile(tmp_path):
+    env = clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc", SECRET_IN_USER_DATA="1")
+    done = run("trn2_1p1d.sh", env)
+    assert done.returncode == 0, done.stderr
+    assert calls(done.stdout, "ssm:PutParameter") == []
+    assert all("redacted in dry run" in p["UserData"] and "IamInstanceProfile" not in p for p in launches(done.stdout))
+    assert "WARNING: secret_in_user_data" in done.stderr
 
 
 def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
     done = run("xpyd.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                    CAPACITY_BLOCK="cr-0123"), "2", "3", "p5en.48xlarge")
+                                    CAPACITY_BLOCK="cr-0123", IAM_INSTANCE_PROFILE="neuron-disagg"),
+               "2", "3", "p5en.48xlarge")
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert len(params) == 5 and {p["InstanceType"] for p in params} == {"p5en.48xlarge"}
@@ -81,15 +101,31 @@ def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
     ({"AWS_ACCESS_KEY_ID": ""}, "no AWS credentials found"),
     ({"NEURON_DISAGG_SECRET": ""}, "set NEURON_DISAGG_SECRET"),
     ({"NEURON_DISAGG_VENV": "/nonexistent"}, "run scripts/setup.sh"),
+    ({"IAM_INSTANCE_PROFILE": ""}, "set IAM_INSTANCE_PROFILE to an instance profile allowed to read"),
 ])
 def test_aws_examples_fail_early_with_a_clear_message(tmp_path, missing, message):
     env = clean_env(tmp_path, AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc", AWS_ACCESS_KEY_ID="x",
-                    AWS_SECRET_ACCESS_KEY="y", NEURON_DISAGG_SECRET="0123456789abcdef0123")
+                    AWS_SECRET_ACCESS_KEY="y", NEURON_DISAGG_SECRET="0123456789abcdef0123",
+                    IAM_INSTANCE_PROFILE="neuron-disagg")
     env.update(missing)
     env = {k: v for k, v in env.items() if v != ""}
     done = run("trn2_1p1d.sh", env)
     assert done.returncode == 1
     assert message in done.stderr and done.stdout == ""  # nothing launched, not even a dry run
+
+
+def test_walk_through_creates_the_instance_profile_the_launch_message_names():
+    """examples/README.md (step 2) and launch's message give the same role policy: the one that lets the
+    instances read /neuron-disagg/* with kms:Decrypt through SSM."""
+    readme = (EXAMPLES / "README.md").read_text()
+    message = missing_instance_profile_advice("/neuron-disagg/x/secret")
+    policy = re.search(r"--policy-document '([^']+)'", message).group(1)
+    assert f"--policy-document '{policy}'" in readme
+    statements = {s["Action"]: s for s in json.loads(policy)["Statement"]}
+    assert set(statements) == {"ssm:GetParameter", "kms:Decrypt"}
+    for command in ("aws iam create-instance-profile --instance-profile-name neuron-disagg",
+                    "aws iam add-role-to-instance-profile --instance-profile-name neuron-disagg --role-name neuron-disagg"):
+        assert command in readme and command in message
 
 
 def test_local_example_needs_the_venv(tmp_path):

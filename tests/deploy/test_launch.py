@@ -23,7 +23,7 @@ from neuron_disagg.deploy.settings import DeploymentConfig
 from neuron_disagg.deploy.status import status
 from neuron_disagg.deploy.teardown import teardown
 
-from .conftest import REGION, SECRET, register_image, write_config
+from .conftest import INSTANCE_PROFILE, REGION, SECRET, register_image, write_config
 
 
 def deployment(tmp_path, network, **values) -> DeploymentConfig:
@@ -84,22 +84,23 @@ def test_launch_creates_placement_group_security_group_and_instances(cloud, netw
     decode_script = user_data(ec2, launched["decode"]["InstanceId"])
     prefill_script = user_data(ec2, launched["prefill"]["InstanceId"])
     assert "neuron-disagg-decode" in decode_script and "neuron-disagg-router" not in decode_script
-    assert base64.b64encode(SECRET.encode()).decode() in decode_script
+    for script in (decode_script, prefill_script):  # the secret comes from SSM, not from the user data
+        assert "ssm get-parameter --region us-east-2 --with-decryption --name /neuron-disagg/t1/secret" in script
+        assert SECRET not in script and base64.b64encode(SECRET.encode()).decode() not in script
     assert f"--decode http://{launched['decode']['PrivateIpAddress']}:8200" in prefill_script
     assert "--prefill http://__HOST_IP__:8100,tp=8" in prefill_script
 
     wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
     assert all(w["Placement.GroupName"] == "neuron-disagg-t1" for w in wire)
     assert all(w["MetadataOptions.HttpTokens"] == "required" for w in wire)
+    assert all(w["IamInstanceProfile.Name"] == INSTANCE_PROFILE for w in wire)  # what reads the secret
 
 
 @pytest.mark.parametrize("instance_type, cards", [("trn2.48xlarge", 16), ("p5en.48xlarge", 16), ("trn1.32xlarge", 8)])
 def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2, tmp_path, instance_type, cards,
-                                            ssm):
-    if instance_type.startswith("p5"):  # no baked cuda AMI in this test: the GPU DLAMI via (stubbed) SSM
-        ssm[1].add_response("get_parameter", {"Parameter": {"Name": ami.DLAMI_PARAMETERS["cuda"], "Value": baked_ami,
-                                                            "Type": "String"}},
-                            {"Name": ami.DLAMI_PARAMETERS["cuda"]})
+                                            public_parameters):
+    # no baked cuda AMI in this test: the GPU DLAMI through its (stand-in) public SSM parameter
+    public_parameters.values[ami.DLAMI_PARAMETERS["cuda"]] = baked_ami
     info = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]["NetworkInfo"]
     assert info["MaximumNetworkCards"] == cards  # the layout below comes from this, not from a table
 
@@ -171,8 +172,9 @@ def test_teardown_removes_everything_launch_created_and_is_idempotent(cloud, net
     launched = launch(cloud, deployment(tmp_path, network))
     other = launch(cloud, deployment(tmp_path, network, name="other"))
 
-    result = teardown(cloud, "t1", timeout_s=30, poll_s=0.1)
+    result = teardown(cloud, "t1", secret_parameter_name="/neuron-disagg/t1/secret", timeout_s=30, poll_s=0.1)
 
+    assert result.secret_parameter_deleted == "/neuron-disagg/t1/secret"
     assert sorted(result.terminated) == sorted(p.instance_id for p in launched.instances)
     assert result.security_group_deleted and result.placement_group_deleted
     assert instances_of(ec2) == [] and len(instances_of(ec2, "other")) == 2  # only this deployment
@@ -181,8 +183,8 @@ def test_teardown_removes_everything_launch_created_and_is_idempotent(cloud, net
     assert list(gaps.placement_groups) == ["neuron-disagg-other"]
     assert other.security_group_id != launched.security_group_id
 
-    again = teardown(cloud, "t1", timeout_s=30, poll_s=0.1)
-    assert not again.anything
+    again = teardown(cloud, "t1", secret_parameter_name="/neuron-disagg/t1/secret", timeout_s=30, poll_s=0.1)
+    assert not again.anything  # the parameter already gone is no error either
     assert not teardown(cloud, "never-launched", timeout_s=30, poll_s=0.1).anything
 
 
@@ -239,13 +241,11 @@ def test_capacity_block_is_requested_for_every_instance(cloud, network, baked_am
         assert body["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
 
 
-def test_without_a_baked_ami_the_dlami_comes_from_ssm(cloud, network, ssm, ec2, tmp_path):
+def test_without_a_baked_ami_the_dlami_comes_from_ssm(cloud, network, public_parameters, ec2, tmp_path):
     stock = register_image(ec2, "stand-in-for-the-neuron-dlami")  # untagged: not ours
-    ssm[1].add_response("get_parameter", {"Parameter": {"Name": ami.DLAMI_PARAMETERS["neuron"], "Value": stock,
-                                                        "Type": "String"}},
-                        {"Name": ami.DLAMI_PARAMETERS["neuron"]})
+    public_parameters.values[ami.DLAMI_PARAMETERS["neuron"]] = stock
     launch(cloud, deployment(tmp_path, network))
-    ssm[1].assert_no_pending_responses()
+    assert public_parameters.asked == [ami.DLAMI_PARAMETERS["neuron"]]
     assert {i["ImageId"] for i in instances_of(ec2)} == {stock}
     assert "lacks the neuron-disagg systemd units" in cloud.log.getvalue()
 
@@ -257,8 +257,8 @@ def test_missing_secret_fails_before_any_aws_call(cloud, network, gaps, ec2, tmp
     assert gaps.placement_groups == {} and instances_of(ec2) == []
 
 
-def test_no_baked_ami_and_no_dlami_parameter_says_how_to_fix_it(cloud, network, ssm, gaps, tmp_path):
-    ssm[1].add_client_error("get_parameter", service_error_code="ParameterNotFound", http_status_code=400)
+def test_no_baked_ami_and_no_dlami_parameter_says_how_to_fix_it(cloud, network, public_parameters, gaps, tmp_path):
     with pytest.raises(ami.AmiNotFound, match="set ami_id in the deployment config, or bake an AMI"):
         launch(cloud, deployment(tmp_path, network))
     assert gaps.run_instances_wire == []
+    assert public_parameters.asked == [ami.DLAMI_PARAMETERS["neuron"]]

@@ -16,7 +16,7 @@ def test_example_config_validates_for_both_platforms():
     for instance_type in ("trn2.48xlarge", "p5en.48xlarge"):
         config = DeploymentConfig.from_yaml("examples/qwen3-32b.yaml", {
             "prefill.instance_type": instance_type, "decode.instance_type": instance_type,
-            "region": "us-east-2", "subnet_id": "subnet-0123abcd"})
+            "region": "us-east-2", "subnet_id": "subnet-0123abcd", "iam_instance_profile": "neuron-disagg"})
         config.require_launchable()
         assert config.model == "Qwen/Qwen3-32B" and config.tensor_parallel_size == 8
         assert config.neuron_disagg.mode == "push"
@@ -60,12 +60,27 @@ def test_vllm_args_must_be_plain_words(tmp_path):
         DeploymentConfig.from_yaml(write_config(tmp_path, vllm_args=["$(reboot)"]))
 
 
-def test_reserved_tags_and_ssm_secret_without_role(tmp_path):
+def test_reserved_tags(tmp_path):
     with pytest.raises(DeploymentConfigError, match="reserved"):
         DeploymentConfig.from_yaml(write_config(tmp_path, tags={"neuron-disagg:role": "x"}))
-    config = DeploymentConfig.from_yaml(write_config(tmp_path, secret_ssm_parameter="/nd/secret"))
-    with pytest.raises(DeploymentConfigError, match="iam_instance_profile"):
-        config.require("region")
+
+
+def test_secret_parameter_is_named_after_the_deployment_unless_set(tmp_path):
+    assert DeploymentConfig.from_yaml(write_config(tmp_path, name="prod-1")).secret_parameter == (
+        "/neuron-disagg/prod-1/secret")
+    assert DeploymentConfig.from_yaml(write_config(tmp_path, secret_ssm_parameter="/team/nd")).secret_parameter == (
+        "/team/nd")
+    with pytest.raises(DeploymentConfigError, match="reserved by AWS"):
+        DeploymentConfig.from_yaml(write_config(tmp_path, secret_ssm_parameter="/aws/service/x"))
+
+
+def test_only_launch_needs_an_instance_profile_and_only_for_the_ssm_secret(tmp_path):
+    config = DeploymentConfig.from_yaml(write_config(tmp_path, {"subnet_id": "subnet-0abc"}, iam_instance_profile=None))
+    config.require("region")  # status and teardown: fine without one
+    with pytest.raises(DeploymentConfigError, match="no iam_instance_profile"):
+        config.require_launchable()
+    config.model_copy(update={"secret_in_user_data": True}).require_launchable()
+    config.model_copy(update={"iam_instance_profile": "nd"}).require_launchable()
 
 
 def test_instance_config_points_at_the_root_only_secret_file(tmp_path):

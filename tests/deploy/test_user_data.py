@@ -4,6 +4,7 @@ arguments that the units in ami/units/ and `neuron-disagg serve` accept."""
 
 from __future__ import annotations
 
+import base64
 import configparser
 import os
 import re
@@ -32,15 +33,20 @@ def shellcheck() -> str:
     return found
 
 
-def fake_bin(tmp_path: Path, units_present: bool = True) -> Path:
-    """curl answering like IMDSv2, systemctl and aws recording their arguments."""
+def fake_bin(tmp_path: Path, units_present: bool = True, aws_failures: int = 0) -> Path:
+    """curl answering like IMDSv2, systemctl and aws recording their arguments; aws fails (as with no
+    permission yet) its first ``aws_failures`` times."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scripts = {
         "curl": f'#!/bin/bash\nif [[ "$*" == *"-X PUT"* ]]; then echo token; else echo {HOST_IP}; fi\n',
         "systemctl": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/systemctl.log"\n'
                       + ('' if units_present else '[[ "$1" == cat ]] && exit 1\n') + 'exit 0\n'),
-        "aws": f'#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/aws.log"\necho {SECRET}\n',
+        "aws": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/aws.log"\n'
+                f'if [[ $(wc -l < "$NEURON_DISAGG_ROOT/aws.log") -le {aws_failures} ]]; then\n'
+                '  echo "An error occurred (AccessDeniedException) when calling the GetParameter operation" >&2\n'
+                '  exit 254\nfi\n'
+                f'echo {SECRET}\n'),
     }
     for name, body in scripts.items():
         path = bin_dir / name
@@ -49,13 +55,14 @@ def fake_bin(tmp_path: Path, units_present: bool = True) -> Path:
     return bin_dir
 
 
-def run_script(script: str, tmp_path: Path, units_present: bool = True) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(script: str, tmp_path: Path, units_present: bool = True,
+               aws_failures: int = 0) -> tuple[subprocess.CompletedProcess, Path]:
     root = tmp_path / "root"
     root.mkdir()
     path = tmp_path / "user-data.sh"
     path.write_text(script)
-    env = {**os.environ, "NEURON_DISAGG_ROOT": str(root),
-           "PATH": f"{fake_bin(tmp_path, units_present)}:{os.environ['PATH']}"}
+    env = {**os.environ, "NEURON_DISAGG_ROOT": str(root), "NEURON_DISAGG_RETRY_DELAY_S": "0",
+           "PATH": f"{fake_bin(tmp_path, units_present, aws_failures)}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
     return done, root
 
@@ -68,14 +75,19 @@ def deployment(tmp_path, **values) -> DeploymentConfig:
     return DeploymentConfig.from_yaml(write_config(tmp_path, {"subnet_id": "subnet-0abc"}, **values))
 
 
+def inline(tmp_path, **values) -> DeploymentConfig:
+    """A deployment whose secret travels in the user data (the opt-in)."""
+    return deployment(tmp_path, secret_in_user_data=True, iam_instance_profile=None, **values)
+
+
 def test_rendered_scripts_pass_shellcheck(tmp_path):
     config = deployment(tmp_path)
     scripts = {
-        "decode": user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()),
+        "decode": user_data.render(config, "decode", 0, router_args=None, secret=None),
         "router": user_data.render(config, "prefill", 0, secret=None,
                                    router_args=user_data.router_args(config, [user_data.HOST_IP], ["10.0.0.2"])),
-        "ssm": user_data.render(deployment(tmp_path, secret_ssm_parameter="/nd/secret", iam_instance_profile="r"),
-                                "decode", 0, router_args=None, secret=None),
+        "inline": user_data.render(inline(tmp_path), "decode", 0, router_args=None, secret=SECRET.encode()),
+        "inline-dry-run": user_data.render(inline(tmp_path), "decode", 0, router_args=None, secret=None),
     }
     for name, script in scripts.items():
         path = tmp_path / f"{name}.sh"
@@ -84,14 +96,19 @@ def test_rendered_scripts_pass_shellcheck(tmp_path):
         assert done.returncode == 0, f"{name}:\n{done.stdout}"
 
 
-def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path):
-    config = deployment(tmp_path, vllm_args=["--max-num-seqs", "32"])
-    done, root = run_script(user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()), tmp_path)
+@pytest.mark.parametrize("secret_in_user_data", [False, True], ids=["ssm", "inline"])
+def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path, secret_in_user_data):
+    make = inline if secret_in_user_data else deployment
+    config = make(tmp_path, vllm_args=["--max-num-seqs", "32"])
+    script = user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode())
+    assert (SECRET.encode() in base64.b64decode(script.split("<<'NEURON_DISAGG_EOF'\n")[2].split()[0])
+            if secret_in_user_data else SECRET not in script)
+    done, root = run_script(script, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
     etc = root / "etc/neuron-disagg"
     secret = etc / "secret"
-    assert secret.read_text() == SECRET and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert secret.read_text().strip() == SECRET and stat.S_IMODE(secret.stat().st_mode) == 0o600
     loaded = Config.from_yaml(etc / "config.yaml")
     assert loaded.side_channel_host == HOST_IP and loaded.lease_s == 30 and loaded.mode == "push"
     assert str(loaded.secret_file) == "/etc/neuron-disagg/secret"
@@ -118,14 +135,27 @@ def test_router_host_boot_lists_every_instance_with_its_own_address(tmp_path):
         "enable --now neuron-disagg-prefill.service", "enable --now neuron-disagg-router.service"]
 
 
-def test_secret_from_ssm_is_fetched_with_the_instance_role(tmp_path):
-    config = deployment(tmp_path, secret_ssm_parameter="/nd/secret", iam_instance_profile="nd-role")
-    script = user_data.render(config, "decode", 0, router_args=None, secret=None)
-    assert SECRET not in script
-    done, root = run_script(script, tmp_path)
+def test_secret_from_ssm_is_fetched_with_the_instance_role_and_retried(tmp_path):
+    config = deployment(tmp_path, secret_ssm_parameter="/nd/secret")
+    script = user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode())
+    assert SECRET not in script  # even when launch has the secret at hand
+    done, root = run_script(script, tmp_path, aws_failures=2)  # e.g. the role's credentials not there yet
     assert done.returncode == 0, done.stdout + done.stderr
     assert (root / "etc/neuron-disagg/secret").read_text().strip() == SECRET
-    assert "ssm get-parameter --region us-east-2 --with-decryption --name /nd/secret" in (root / "aws.log").read_text()
+    calls = (root / "aws.log").read_text().splitlines()
+    assert calls == ["ssm get-parameter --region us-east-2 --with-decryption --name /nd/secret "
+                     "--query Parameter.Value --output text"] * 3
+    assert "attempt 2 of 12" in done.stdout and SECRET not in done.stdout + done.stderr  # stderr is tee'd
+
+
+def test_boot_stops_when_the_role_cannot_read_the_secret(tmp_path):
+    script = user_data.render(deployment(tmp_path), "decode", 0, router_args=None, secret=None)
+    done, root = run_script(script, tmp_path, aws_failures=99)
+    assert done.returncode == 1
+    assert "could not read the deployment secret from SecureString /neuron-disagg/t1/secret" in done.stdout
+    assert "ssm:GetParameter" in done.stdout
+    assert len((root / "aws.log").read_text().splitlines()) == user_data.SECRET_READ_ATTEMPTS
+    assert not (root / "systemctl.log").exists()  # no unit started without the secret
 
 
 def test_boot_on_an_ami_without_our_units_fails_with_a_pointer_to_the_bake(tmp_path):

@@ -1,0 +1,182 @@
+"""The deployment secret's path to the instances, against moto's SSM and IAM: by default launch puts
+it into a SecureString named after the deployment (before any instance exists) and teardown deletes
+it; without an instance profile to read it with, launch stops with the commands that create one;
+`secret_in_user_data: true` is the explicit, warned-about alternative."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shlex
+
+import pytest
+
+from neuron_disagg.deploy.cloud import Cloud
+from neuron_disagg.deploy.errors import DeployError, DeploymentConfigError
+from neuron_disagg.deploy.launch import launch
+from neuron_disagg.deploy.settings import DeploymentConfig
+from neuron_disagg.deploy.teardown import teardown
+
+from .conftest import SECRET, error, write_config
+from .test_launch import instances_of, user_data
+
+PARAMETER = "/neuron-disagg/t1/secret"
+
+
+def deployment(tmp_path, network, **values) -> DeploymentConfig:
+    return DeploymentConfig.from_yaml(write_config(tmp_path, network, **values))
+
+
+def parameter_tags(ssm, name: str = PARAMETER) -> dict[str, str]:
+    listed = ssm.list_tags_for_resource(ResourceType="Parameter", ResourceId=name)["TagList"]
+    return {t["Key"]: t["Value"] for t in listed}
+
+
+def parameter_missing(ssm, name: str = PARAMETER) -> bool:
+    return ssm.describe_parameters(ParameterFilters=[{"Key": "Name", "Option": "Equals",
+                                                      "Values": [name]}])["Parameters"] == []
+
+
+def test_launch_stores_the_secret_as_a_secure_string_before_any_instance(cloud, session, network, baked_ami, gaps,
+                                                                         ssm, tmp_path):
+    instances_before_put: list[int] = []
+    session.events.register("before-call.ssm.PutParameter",
+                            lambda **_: instances_before_put.append(len(gaps.run_instances_wire)))
+
+    result = launch(cloud, deployment(tmp_path, network, tags={"team": "inference"}))
+
+    stored = ssm.get_parameter(Name=PARAMETER, WithDecryption=True)["Parameter"]
+    assert stored["Type"] == "SecureString" and stored["Value"] == SECRET
+    assert parameter_tags(ssm) == {"neuron-disagg:deployment": "t1", "neuron-disagg:created-by": "launch",
+                                   "team": "inference"}
+    assert instances_before_put == [0]  # stored before the first RunInstances
+    assert result.secret_parameter == PARAMETER
+    assert f"stored the deployment secret in SecureString {PARAMETER}" in cloud.log.getvalue()
+    assert SECRET not in cloud.log.getvalue()
+
+
+def test_relaunch_overwrites_the_parameter_launch_created(cloud, network, baked_ami, ec2, ssm, tmp_path, monkeypatch):
+    first = launch(cloud, deployment(tmp_path, network))
+    ec2.terminate_instances(InstanceIds=[p.instance_id for p in first.instances])
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", "a-new-secret-for-the-second-launch")
+
+    launch(cloud, deployment(tmp_path, network, tags={"run": "2"}))
+
+    stored = ssm.get_parameter(Name=PARAMETER, WithDecryption=True)["Parameter"]
+    assert stored["Value"] == "a-new-secret-for-the-second-launch" and stored["Version"] == 2
+    assert stored["Type"] == "SecureString"
+    assert parameter_tags(ssm)["run"] == "2" and parameter_tags(ssm)["neuron-disagg:created-by"] == "launch"
+    assert f"overwrote SecureString {PARAMETER}" in cloud.log.getvalue()
+
+
+def test_launch_never_overwrites_a_parameter_it_did_not_create(cloud, network, baked_ami, gaps, ssm, tmp_path):
+    ssm.put_parameter(Name="/team/shared-secret", Value="somebody-elses-value", Type="SecureString")
+
+    with pytest.raises(DeployError, match="not created by launch of t1.*will not overwrite"):
+        launch(cloud, deployment(tmp_path, network, secret_ssm_parameter="/team/shared-secret"))
+
+    assert ssm.get_parameter(Name="/team/shared-secret", WithDecryption=True)["Parameter"]["Value"] == (
+        "somebody-elses-value")
+    assert gaps.run_instances_wire == []
+
+
+def test_named_parameter_is_used_by_launch_user_data_and_teardown(cloud, network, baked_ami, ec2, ssm, tmp_path):
+    launched = launch(cloud, deployment(tmp_path, network, secret_ssm_parameter="/prod/nd/t1-secret"))
+
+    assert ssm.get_parameter(Name="/prod/nd/t1-secret", WithDecryption=True)["Parameter"]["Value"] == SECRET
+    assert parameter_missing(ssm, PARAMETER)
+    assert "--name /prod/nd/t1-secret" in user_data(ec2, launched.instances[0].instance_id)
+    result = teardown(cloud, "t1", secret_parameter_name="/prod/nd/t1-secret", timeout_s=30, poll_s=0.1)
+    assert result.secret_parameter_deleted == "/prod/nd/t1-secret" and parameter_missing(ssm, "/prod/nd/t1-secret")
+
+
+def test_teardown_deletes_the_parameter_and_leaves_foreign_ones(cloud, network, baked_ami, ssm, tmp_path):
+    launch(cloud, deployment(tmp_path, network))
+    ssm.put_parameter(Name="/neuron-disagg/mine/secret", Value="x" * 32, Type="SecureString")  # made by hand
+
+    result = teardown(cloud, "t1", secret_parameter_name=PARAMETER, timeout_s=30, poll_s=0.1)
+    kept = teardown(cloud, "mine", secret_parameter_name="/neuron-disagg/mine/secret", timeout_s=30, poll_s=0.1)
+
+    assert result.secret_parameter_deleted == PARAMETER and parameter_missing(ssm)
+    assert f"deleted SecureString {PARAMETER}" in cloud.log.getvalue()
+    assert not kept.secret_parameter_deleted and not parameter_missing(ssm, "/neuron-disagg/mine/secret")
+    assert "leaving SSM parameter /neuron-disagg/mine/secret" in cloud.log.getvalue()
+
+
+def test_teardown_without_permission_to_look_says_so_and_goes_on(cloud, session, network, baked_ami, ssm, tmp_path):
+    denied = []  # the client copies the session's handlers when created: register first, deny later
+    session.events.register("before-call.ssm.ListTagsForResource",
+                            lambda **_: error("AccessDeniedException", "not allowed") if denied else None)
+    launch(cloud, deployment(tmp_path, network))
+    denied.append(True)
+
+    result = teardown(cloud, "t1", secret_parameter_name=PARAMETER, timeout_s=30, poll_s=0.1)
+
+    assert result.terminated and result.security_group_deleted and not result.secret_parameter_deleted
+    assert f"could not check SSM parameter {PARAMETER}" in cloud.log.getvalue()
+    assert f"aws ssm delete-parameter --name {PARAMETER}" in cloud.log.getvalue()
+    assert not parameter_missing(ssm)
+
+
+def test_without_an_instance_profile_launch_stops_before_any_aws_call(cloud, network, baked_ami, gaps, ssm, ec2,
+                                                                      tmp_path):
+    with pytest.raises(DeploymentConfigError) as err:
+        launch(cloud, deployment(tmp_path, network, iam_instance_profile=None))
+
+    message = str(err.value)
+    assert message.startswith("no iam_instance_profile")
+    assert f"SecureString {PARAMETER}" in message
+    assert "aws iam create-instance-profile --instance-profile-name neuron-disagg" in message
+    assert "--iam-instance-profile neuron-disagg" in message and "secret_in_user_data: true" in message
+    assert parameter_missing(ssm) and gaps.placement_groups == {} and instances_of(ec2) == []
+
+
+def aws_iam_commands(message: str) -> list[list[str]]:
+    return [shlex.split(line.split("#")[0]) for line in message.splitlines() if line.strip().startswith("aws iam ")]
+
+
+def test_the_commands_the_message_gives_create_a_profile_launch_accepts(session, network, baked_ami, ssm, tmp_path):
+    """Run the message's `aws iam` commands (as boto3 calls, against moto): the JSON documents parse, the
+    policy names the parameter's path, and launch then works with the profile they made."""
+    with pytest.raises(DeploymentConfigError) as err:
+        deployment(tmp_path, network, iam_instance_profile=None).require_launchable()
+    iam = session.client("iam")
+    policies = []
+    for words in aws_iam_commands(str(err.value)):
+        operation = words[2].replace("-", "_")
+        if operation == "attach_role_policy":
+            assert words[-1] == "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+            continue  # AWS-managed policies are not loaded in moto; this one only adds SSM sessions
+        options = {re.sub(r"(^|-)(\w)", lambda m: m.group(2).upper(), words[i][2:]): words[i + 1]
+                   for i in range(3, len(words), 2)}
+        if operation == "put_role_policy":
+            policies.append(json.loads(options["PolicyDocument"]))
+        getattr(iam, operation)(**options)
+    assert iam.get_instance_profile(InstanceProfileName="neuron-disagg")["InstanceProfile"]["Roles"][0][
+        "RoleName"] == "neuron-disagg"
+    statements = {s["Action"]: s for s in policies[0]["Statement"]}
+    assert statements["ssm:GetParameter"]["Resource"] == "arn:aws:ssm:*:*:parameter/neuron-disagg/*"
+    assert statements["kms:Decrypt"]["Condition"] == {"StringLike": {"kms:ViaService": "ssm.*.amazonaws.com"}}
+
+    result = launch(Cloud(session, log=io.StringIO()),
+                    deployment(tmp_path, network, iam_instance_profile="neuron-disagg"))
+    assert len(result.instances) == 2
+
+
+def test_secret_in_user_data_needs_no_profile_and_warns(cloud, network, baked_ami, gaps, ec2, ssm, tmp_path):
+    result = launch(cloud, deployment(tmp_path, network, iam_instance_profile=None, secret_in_user_data=True))
+
+    script = user_data(ec2, result.instances[0].instance_id)
+    assert base64.b64encode(SECRET.encode()).decode() in script and "ssm get-parameter" not in script
+    assert parameter_missing(ssm) and result.secret_parameter == ""
+    assert all("IamInstanceProfile.Name" not in w for w in gaps.run_instances_wire)
+    log = cloud.log.getvalue()
+    assert "WARNING: secret_in_user_data" in log and "ec2:DescribeInstanceAttribute" in log
+    assert SECRET not in log
+
+
+def test_secret_in_user_data_and_a_parameter_name_contradict(tmp_path):
+    with pytest.raises(DeploymentConfigError, match="contradict"):
+        DeploymentConfig.from_yaml(write_config(tmp_path, secret_in_user_data=True, secret_ssm_parameter="/a/b"))
