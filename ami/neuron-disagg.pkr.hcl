@@ -163,12 +163,13 @@ source "amazon-ebs" "cuda" {
 build {
   sources = ["source.amazon-ebs.neuron", "source.amazon-ebs.cuda"]
 
-  # Everything the scripts need, staged on the builder: the C stub, the units, the wheel.
+  # Everything the scripts need, staged on the builder: the units and the wheel (which carries
+  # the libcuda stub's source; 40-libcuda-stub.sh builds it with the package's own command).
   provisioner "shell" {
     inline = ["mkdir -p ${local.stage}/units"]
   }
   provisioner "file" {
-    sources     = ["${path.root}/libcuda_stub.c", var.wheel]
+    sources     = [var.wheel]
     destination = "${local.stage}/"
   }
   provisioner "file" {

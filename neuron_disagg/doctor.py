@@ -155,11 +155,20 @@ def check_neuron(platform) -> Check:
 def check_libcuda(platform, backend: str) -> Check:
     from cuda_compat import libcuda_present
 
+    from .platforms import libcuda_stub
+
     if libcuda_present():
         return Check("libcuda", "ok", "libcuda.so.1 loads")
-    if backend == "LIBFABRIC" or platform.name == "cuda":
+    stub = libcuda_stub.find()
+    if platform.name == "neuron" and stub is not None:
+        return Check("libcuda", "ok", f"the libcuda stub is in {stub}; `neuron-disagg serve` puts it on vLLM's "
+                     "LD_LIBRARY_PATH")
+    if platform.name == "neuron" and backend == "LIBFABRIC":
         return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin needs it even on "
-                     "Neuron hosts", "install the NVIDIA driver, or on Neuron a stub libcuda.so.1 on LD_LIBRARY_PATH")
+                     "Neuron hosts", "sudo neuron-disagg install-libcuda-stub")
+    if backend == "LIBFABRIC" or platform.name == "cuda":
+        return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin and CUDA need it",
+                     "install the NVIDIA driver")
     return Check("libcuda", "ok", "libcuda.so.1 absent (not needed for UCX)")
 
 

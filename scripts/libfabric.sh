@@ -6,8 +6,8 @@
 #   lib/libfabric.so.1   libfabric 2.1.0 (tcp provider built in), from Debian trixie's upstream
 #                        tarball: nixl 1.4.1's plugin needs ABI FABRIC_1.7, bookworm ships 1.17.
 #   lib/libhwloc.so.15   from Debian's libhwloc15 (bookworm's 2.9.0 has every symbol the plugin uses)
-#   lib/libcuda.so.1     ami/libcuda_stub.c: each entry point answers CUDA_ERROR_NO_DEVICE
-#                        (skipped where a real driver library exists: the stub would hide it)
+#   lib/libcuda.so.1     the package's stub (`neuron-disagg install-libcuda-stub`): each entry point
+#                        answers CUDA_ERROR_NO_DEVICE (skipped where a real driver library exists)
 #   lib/libcudart.so.13  a link to the CUDA 13 runtime the nixl-cu13 wheel's plugin links against
 # Idempotent and cached: a second run does no network and no build. Prints, as its last line,
 # LIBFABRIC_LIBS=<dir>; a process that uses LIBFABRIC needs LD_LIBRARY_PATH=<dir> and
@@ -27,14 +27,14 @@ FABRIC_TARBALL=libfabric_${FABRIC_VERSION}.orig.tar.xz
 FABRIC_SHA256=1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df
 FABRIC_URL=http://deb.debian.org/debian/pool/main/libf/libfabric/$FABRIC_TARBALL
 FABRIC_STAMP=$PREFIX/.libfabric-$FABRIC_VERSION-$FABRIC_SHA256
-STUB_SRC=$REPO/ami/libcuda_stub.c
+STUB_SRC=$REPO/neuron_disagg/platforms/libcuda_stub.c
 CUDART_PIN=nvidia-cuda-runtime==13.0.96  # only if no libcudart.so.13 is on the machine
 
 log() { echo "libfabric.sh: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 real_libcuda() { ldconfig -p 2> /dev/null | grep -q 'libcuda\.so\.1 '; }
-stub_stamp() { echo "$LIBDIR/.libcuda-stub-$(sha256sum "$STUB_SRC" | cut -c1-16)"; }
+stub_stamp() { echo "$LIBDIR/.built-from-$(sha256sum "$STUB_SRC" | cut -c1-16)"; }  # as libcuda_stub.py
 fabric_ok() { [ -f "$FABRIC_STAMP" ] && [ -e "$LIBDIR/libfabric.so.1" ]; }
 cuda_ok() {  # the stub, built from today's source; none at all where a real driver exists
   if real_libcuda; then
@@ -137,16 +137,14 @@ install_hwloc() {
 }
 
 install_libcuda_stub() {
-  rm -f "$LIBDIR"/.libcuda-stub-* "$LIBDIR/libcuda.so.1"
+  rm -f "$LIBDIR"/.libcuda-stub-* "$LIBDIR"/.built-from-* "$LIBDIR/libcuda.so.1"
   if real_libcuda; then
     log "a real libcuda.so.1 is installed: no stub"
     return
   fi
-  [ -f "$STUB_SRC" ] || die "$STUB_SRC is missing"
   need_gcc
-  nice -n 19 gcc -shared -fPIC -O2 -Wall -Wextra -Werror -Wl,-soname,libcuda.so.1 \
-    -o "$LIBDIR/libcuda.so.1" "$STUB_SRC"
-  touch "$(stub_stamp)"
+  # The package's own set-up step; it needs only the standard library, so any python3 will do.
+  PYTHONPATH=$REPO nice -n 19 python3 -m neuron_disagg.platforms.libcuda_stub --dir "$LIBDIR" > /dev/null
 }
 
 find_cudart() {

@@ -2,6 +2,8 @@
 
 Starts `vllm serve` with the --kv-transfer-config derived from our config, so users never write
 that JSON. Refuses vLLM < 0.14.0 (CVE-2026-22807: code execution through dynamic module loading).
+On a Neuron host moving KV over LIBFABRIC it puts the libcuda stub on vLLM's LD_LIBRARY_PATH (and
+refuses to start without one), since NIXL's LIBFABRIC plugin does not load without a libcuda.
 """
 
 from __future__ import annotations
@@ -48,6 +50,27 @@ def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) 
     }
 
 
+def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[str, str]:
+    """``env`` for vLLM: on Neuron with LIBFABRIC and no libcuda, with the libcuda stub added."""
+    from cuda_compat import libcuda_present
+
+    from ..platforms import libcuda_stub
+    from ..platforms.errors import PlatformNotAvailable
+    from ..platforms.select import select_platform
+
+    try:
+        platform, _ = select_platform(config.platform, root)
+    except PlatformNotAvailable as exc:
+        raise ConfigError(str(exc)) from None
+    if platform.name != "neuron" or platform.nixl_backend(config.backend) != "LIBFABRIC" or libcuda_present():
+        return env
+    directory = libcuda_stub.find()
+    if directory is None:
+        raise ConfigError("NIXL's LIBFABRIC plugin needs libcuda.so.1, even on Neuron hosts, and none loads: "
+                          "run `sudo neuron-disagg install-libcuda-stub` once on this host (our AMI has it)")
+    return libcuda_stub.with_stub_on_library_path(env, directory)
+
+
 def build_command(role: str, model: str, config: Config, vllm_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)), *vllm_args]
@@ -65,12 +88,14 @@ def main(argv: list[str]) -> int:
         config = Config.from_yaml(args.config) if args.config else Config()
         config.load_secret()  # fail now, not in a worker process after a minute of start-up
         check_vllm_version(installed_vllm_version())
+        env = library_env(config, dict(os.environ))
     except ConfigError as exc:
         print(f"neuron-disagg serve: {exc}", file=sys.stderr)
         return 2
     command = build_command(args.role, args.model, config, theirs)
     if args.dry_run:
-        print(" ".join(command))
+        added = env.get("LD_LIBRARY_PATH") != os.environ.get("LD_LIBRARY_PATH")
+        print((f"LD_LIBRARY_PATH={env['LD_LIBRARY_PATH']} " if added else "") + " ".join(command))
         return 0
-    os.execv(command[0], command)
+    os.execve(command[0], command, env)
     return 0  # not reached

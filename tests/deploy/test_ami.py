@@ -145,9 +145,12 @@ def test_packer_validate(tmp_path):
 def test_libcuda_stub_builds_and_answers_no_device(tmp_path):
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed here")
-    env = {**os.environ, "PLATFORM": "neuron", "STAGE": str(AMI), "LIB_DIR": str(tmp_path)}
+    # The bake's venv is /opt/neuron-disagg/venv; here it is the one scripts/setup.sh made.
+    env = {**os.environ, "PLATFORM": "neuron", "LIB_DIR": str(tmp_path),
+           "NEURON_DISAGG": str(Path(sys.executable).with_name("neuron-disagg"))}
     done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "built and checked" in done.stdout
     library = tmp_path / "libcuda.so.1"
     soname = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
     assert "[libcuda.so.1]" in soname
@@ -159,7 +162,7 @@ def test_libcuda_stub_builds_and_answers_no_device(tmp_path):
 
 
 def test_libcuda_stub_script_refuses_gpu_hosts(tmp_path):
-    env = {**os.environ, "PLATFORM": "cuda", "STAGE": str(AMI), "LIB_DIR": str(tmp_path)}
+    env = {**os.environ, "PLATFORM": "cuda", "LIB_DIR": str(tmp_path)}
     done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 1 and "Neuron hosts only" in done.stderr
     assert not (tmp_path / "libcuda.so.1").exists()
