@@ -6,6 +6,8 @@ and aborts; the side channel hands it P's verdicts; and it polls its transport f
 notifications that ride on P's WRITEs. It feeds all of that to the consumer core, performs the
 actions — registrations, heartbeats and cancels to P (on the peers executor, never blocking), and
 loaded / failed / freed reports to the engine — and ticks the core so watchdogs and fences fire.
+With host staging (staging.py) it registers host slots instead of the allocated blocks and copies
+the slots into those blocks once P's write landed, before reporting the load.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from msgspec.structs import replace
 from typing import Callable
 
 from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage, Transitioned
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
-from ..protocol.messages import CancelAck, Registration, TransferId, WriteDone, WriteFailed
+from ..protocol.messages import CancelAck, RankRegions, Registration, TransferId, WriteDone, WriteFailed
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .peers import Peers
+from .staging import HostStaging, StagedTransfers
 from .transport import Transport
 from .worker import TransferThread
 
@@ -32,11 +36,15 @@ class PushReceiver(TransferThread):
     def __init__(self, core: ConsumerCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_loaded: Callable[[TransferId], None],
                  on_failed: Callable[[TransferId, str], None],
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+                 on_free: Callable[[TransferId, tuple[int, ...]], None], staging: HostStaging | None = None,
+                 **intervals: float):
         super().__init__(f"neuron-disagg-push-receiver-{core.tp_rank}", peers, **intervals)
         self.core, self.transport, self.codec = core, transport, codec
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.rejected: Counter[str] = Counter()
+        self.staging = staging
+        self.staged = StagedTransfers()
+        self._waiting_for_slots: dict[TransferId, tuple[int, ...]] = {}  # tid -> the engine's blocks
 
     # -- called from other threads: queue puts only --------------------------------------------------
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
@@ -72,11 +80,54 @@ class PushReceiver(TransferThread):
         elif kind == "allocated":
             if item[2] is not None:
                 item[2].wait()
-            self._perform(self.core.allocated(item[1], now))
+            if self.staging is None:
+                self._perform(self.core.allocated(item[1], now))
+            else:
+                self._stage(item[1])
         elif kind == "abort":
+            blocks = self._waiting_for_slots.pop(item[1], None)
+            if blocks is not None:  # P never heard of these blocks: the engine may have them back
+                self.on_free(item[1], blocks)
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "verdict":
             self._verdict(item[1], now)
+
+    # -- host staging ---------------------------------------------------------------------------------
+    def _stage(self, registration: Registration) -> None:
+        tid, blocks = registration.transfer_id, registration.block_ids
+
+        def register(slots: tuple[int, ...]) -> None:
+            if self._waiting_for_slots.pop(tid, None) is None:  # aborted while waiting
+                return self.staging.give_back(slots)
+            self.staged.add(tid, blocks, slots)
+            ranks = tuple(RankRegions(r.tp_rank, r.agent_name, self.staging.regions) for r in registration.ranks)
+            self._perform(self.core.allocated(replace(registration, ranks=ranks, block_ids=slots), time.time()))
+
+        self._waiting_for_slots[tid] = blocks
+        try:
+            self.staging.take(len(blocks), register)
+        except ValueError as exc:
+            self._waiting_for_slots.pop(tid, None)
+            self._perform(self.core.abort(tid, str(exc), time.time()))
+            self.on_free(tid, blocks)
+
+    def _loaded(self, tid: TransferId) -> None:
+        staged = self.staged.pop(tid) if self.staging is not None else None
+        if staged is not None:
+            blocks, slots = staged
+            self.staging.to_device(slots, blocks)
+            self.staging.give_back(slots)
+        self.on_loaded(tid)
+
+    def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
+        if self.staging is None:
+            return self.on_free(tid, block_ids)
+        staged = self.staged.pop(tid)
+        if staged is not None:  # the fence passed: P will not write into these slots any more
+            self.staging.give_back(staged[1])
+            self.on_free(tid, staged[0])
+        else:
+            self.on_free(tid, block_ids)
 
     def _notification(self, sender: str, frame: bytes) -> None:
         try:
@@ -101,12 +152,12 @@ class PushReceiver(TransferThread):
             if isinstance(action, SendMessage):
                 self.peers.send(action.peer, action.ranks, action.message)
             elif isinstance(action, FinishLoad):
-                self.on_loaded(action.transfer_id)
+                self._loaded(action.transfer_id)
             elif isinstance(action, FailTransfer):
                 log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
                 self.on_failed(action.transfer_id, action.reason)
             elif isinstance(action, FreeBlocks):
-                self.on_free(action.transfer_id, action.block_ids)
+                self._free(action.transfer_id, action.block_ids)
             elif isinstance(action, Transitioned):
                 self._log_transition(action)
             else:
@@ -116,6 +167,11 @@ class PushReceiver(TransferThread):
         self._abort_all("decode receiver shut down")
 
     def _abort_all(self, reason: str) -> None:
+        for tid, blocks in list(self._waiting_for_slots.items()):
+            self.on_free(tid, blocks)
+        self._waiting_for_slots.clear()
+        if self.staging is not None:
+            self.staging.cancel_waiting()
         now = time.time()
         for entry in self.core.live():
             self._perform(self.core.abort(entry.transfer_id, reason, now))

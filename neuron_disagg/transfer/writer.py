@@ -6,7 +6,8 @@ The engine and the side channel put events in its inbox (queue puts, nothing mor
 core returns — post WRITEs, notify D, free blocks — polls in-flight WRITEs, and ticks the core so
 leases and write deadlines fire. Handshakes with new D agents run on a separate executor, so a slow
 or dead D never delays writes to other peers. On shutdown every in-flight transfer fails with a
-reason and its blocks are freed.
+reason and its blocks are freed. With host staging (staging.py) finished blocks are first copied to
+host slots — the engine gets its blocks back right then — and the core plans with the slots.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .peers import Peers
 from .inflight import InFlight, Part
+from .staging import HostStaging, StagedTransfers
 from .transport import Transport
 from .worker import TransferThread
 
@@ -33,10 +35,14 @@ log = logging.getLogger(__name__)
 
 class PushWriter(TransferThread):
     def __init__(self, core: ProducerCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+                 on_free: Callable[[TransferId, tuple[int, ...]], None], staging: HostStaging | None = None,
+                 **intervals: float):
         super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
         self.core, self.transport, self.codec = core, transport, codec
         self.on_free = on_free
+        self.staging = staging
+        self.staged = StagedTransfers()
+        self._waiting_for_slots: dict[TransferId, tuple[int, ...]] = {}  # tid -> the engine's blocks
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(("peer_ready", agent, error)),
@@ -79,8 +85,14 @@ class PushWriter(TransferThread):
         if kind == "kv_ready":
             if item[3] is not None:
                 item[3].wait()
-            self._perform(self.core.kv_ready(item[1], item[2], now))
+            if self.staging is None:
+                self._perform(self.core.kv_ready(item[1], item[2], now))
+            else:
+                self._stage(item[1], item[2])
         elif kind == "abort":
+            blocks = self._waiting_for_slots.pop(item[1], None)
+            if blocks is not None:
+                self.on_free(item[1], blocks)
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "message":
             message = item[1]
@@ -93,6 +105,31 @@ class PushWriter(TransferThread):
             for tid, reason in self.writes.peer_ready(item[1], item[2]):
                 self._failed(tid, reason)
 
+    # -- host staging ---------------------------------------------------------------------------------
+    def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
+        def copy(slots: tuple[int, ...]) -> None:
+            if self._waiting_for_slots.pop(tid, None) is None:  # aborted while waiting
+                return self.staging.give_back(slots)
+            self.staging.to_host(blocks, slots)
+            self.staged.add(tid, blocks, slots)
+            self.on_free(tid, blocks)  # copied: the engine may reuse them now
+            self._perform(self.core.kv_ready(tid, slots, time.time()))
+
+        self._waiting_for_slots[tid] = blocks
+        try:
+            self.staging.take(len(blocks), copy)
+        except ValueError as exc:
+            self._waiting_for_slots.pop(tid, None)
+            self.on_free(tid, blocks)
+            self._perform(self.core.abort(tid, str(exc), time.time()))
+
+    def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
+        if self.staging is None:
+            return self.on_free(tid, block_ids)
+        staged = self.staged.pop(tid)
+        if staged is not None:
+            self.staging.give_back(staged[1])
+
     # -- performing the core's actions ---------------------------------------------------------------
     def _perform(self, actions) -> None:
         for action in actions:
@@ -103,7 +140,7 @@ class PushWriter(TransferThread):
             elif isinstance(action, SendMessage):
                 self.peers.send(action.peer, action.ranks, action.message)
             elif isinstance(action, FreeBlocks):
-                self.on_free(action.transfer_id, action.block_ids)
+                self._free(action.transfer_id, action.block_ids)
             elif isinstance(action, FailTransfer):
                 self.stats["failed"] += 1
                 self.failures[action.reason.split(":")[0]] += 1
@@ -133,6 +170,11 @@ class PushWriter(TransferThread):
         self._perform(self.core.write_failed(tid, reason, time.time()))
 
     def _fail_all(self, reason: str) -> None:
+        for tid, blocks in list(self._waiting_for_slots.items()):
+            self.on_free(tid, blocks)
+        self._waiting_for_slots.clear()
+        if self.staging is not None:
+            self.staging.cancel_waiting()
         for tid in self.writes.tids():
             self._failed(tid, reason)
         now = time.time()

@@ -29,11 +29,15 @@ from ..transfer.peers import Peers
 from ..transfer.pull import PullLender, PullReader
 from ..transfer.receiver import PushReceiver
 from ..transfer.side_channel import SideChannelClient, SideChannelServer
+from ..transfer.staging import HostStaging, kv_views
 from ..transfer.transport import NixlTransport
 from ..transfer.writer import PushWriter
 from .metadata import RankHandshake, StepMetadata
 
 log = logging.getLogger(__name__)
+
+
+PULL_NEEDS_REGISTERED_KV = "pull reads device memory directly, and this instance stages KV through host memory"
 
 
 class WorkerSide:
@@ -47,6 +51,7 @@ class WorkerSide:
         self.agent_name = f"{engine_id}-rank{tp_rank}"
         self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
         self.thread: PushWriter | PushReceiver | None = None
+        self.staging: HostStaging | None = None
         self.pull: PullLender | PullReader | None = None
         self._lock = threading.Lock()
         self._request_of: dict[TransferId, str] = {}
@@ -72,12 +77,17 @@ class WorkerSide:
         # is the one peers learn, by name, from offers and registrations; the initiator's (P's
         # writer, D's reader) posts, and may be replaced after a failed transfer (transport.py).
         self.transport = NixlTransport(self.agent_name, backend, platform.memory_type)
+        self.staging = self._staging(kv_caches, platform.memory_type)
+        memory_type = "DRAM" if self.staging else platform.memory_type
+        exposed = self.staging.regions if self.staging else self.regions  # what peers may touch
+        if self.staging:
+            self.transport.memory_type = memory_type
+            self.transport.register(exposed)
         initiator = "writer" if self.role == "prefill" else "reader"
-        self.initiator = NixlTransport(f"{self.agent_name}-{initiator}", backend, platform.memory_type)
-        for transport in (self.transport, self.initiator):
-            transport.register(self.regions)
+        self.initiator = NixlTransport(f"{self.agent_name}-{initiator}", backend, memory_type)
+        self.initiator.register(exposed)
         info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
-                         tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
+                         tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in exposed))
         self.rank_regions = RankRegions(self.tp_rank, self.agent_name, self.regions)
 
         def peers(transport, kind: str) -> Peers:
@@ -86,8 +96,9 @@ class WorkerSide:
 
         t = self.config
         if self.role == "prefill":
-            core = ProducerCore(self.regions, self.tp_rank, self.tp_size, t.producer_timeouts())
-            self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free)
+            core = ProducerCore(exposed, self.tp_rank, self.tp_size, t.producer_timeouts())
+            self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free,
+                                     self.staging)
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.max_write_s, t.clock_skew_allowance_s,
                                               t.tombstone_s), self.transport, self.codec,
                                    peers(self.transport, "pull"), self._on_free)
@@ -95,7 +106,7 @@ class WorkerSide:
         else:
             core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts())
             self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
-                                       self._on_loaded, self._on_failed, self._on_free)
+                                       self._on_loaded, self._on_failed, self._on_free, self.staging)
             self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
@@ -117,6 +128,25 @@ class WorkerSide:
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
                  self.role, self.tp_rank, len(self.regions), backend, self.server.address)
 
+    def _staging(self, kv_caches, memory_type: str) -> HostStaging | None:
+        """Registers the KV with ``self.transport`` unless staging; returns the staging, if any."""
+        mode, reason = self.config.host_staging, "host_staging: always in the config"
+        if mode != "always":
+            try:
+                self.transport.register(self.regions)
+                return None
+            except Exception as exc:  # NIXL raises its own status types; all mean "cannot register"
+                if mode == "never":
+                    raise RuntimeError(f"NIXL cannot register the KV cache's {memory_type} memory ({exc}) and "
+                                       "host_staging is never; set host_staging: auto to stage through host "
+                                       "memory") from exc
+                reason = f"NIXL cannot register {memory_type} KV memory ({type(exc).__name__}: {exc})"
+        slots = self.config.host_staging_blocks or max(1, self.regions[0].num_blocks // 4)
+        staging = HostStaging(kv_views(kv_caches), self.regions, slots)
+        log.warning("neuron-disagg rank %d stages KV through %d host blocks (%s); pull mode is off",
+                    self.tp_rank, staging.slots, reason)
+        return staging
+
     # -- each engine step (engine loop: queue puts only) ----------------------------------------------
     def hand_off(self, step: StepMetadata) -> None:
         # One fence per step, recorded on the engine thread (never waited on here): the threads wait
@@ -135,9 +165,16 @@ class WorkerSide:
                 reg.first_block_index, 0.0), fence)
         for tid, request_id, offer in step.lend:  # our own scheduler's offer: no need to verify it
             self._request_of[tid] = request_id
+            if self.staging:  # D's read fails with the reason below; the blocks go back now
+                self._on_free(tid, offer.block_ids)
+                continue
             self.pull.lend(offer)
         for reg, frame in step.read:
             self._request_of[reg.transfer_id] = reg.request_id
+            if self.staging:
+                self._on_failed(reg.transfer_id, f"{PULL_NEEDS_REGISTERED_KV}; use push")
+                self._on_free(reg.transfer_id, reg.block_ids)
+                continue
             try:
                 offer = self.codec.decode(frame)
                 if not isinstance(offer, PullOffer) or offer.transfer_id != reg.transfer_id:

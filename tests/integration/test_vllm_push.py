@@ -92,10 +92,12 @@ def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None)
 
 
 async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16,
-                                  decode=None) -> str:
-    """Both legs at once, through the shared P and ``decode`` (the shared D by default)."""
-    p_body, d_body = legs(c, text, max_tokens)
-    p, d = await asyncio.gather(client.post(f"{c.p.url}/v1/completions", json=p_body),
+                                  decode=None, prefill=None) -> str:
+    """Both legs at once, through ``prefill`` (an (instance, side channel port) pair; the shared P
+    by default) and ``decode`` (the shared D by default)."""
+    p_instance, p_side = prefill or (c.p, c.p_side)
+    p_body, d_body = legs(c, text, max_tokens, p_side)
+    p, d = await asyncio.gather(client.post(f"{p_instance.url}/v1/completions", json=p_body),
                                 client.post(f"{(decode or c.d).url}/v1/completions", json=d_body))
     assert p.status_code == 200, p.text
     assert d.status_code == 200, d.text
@@ -433,3 +435,44 @@ def test_decode_killed_after_registering_prefill_frees_within_its_lease(cluster,
     assert waited <= TIMEOUTS["lease_s"] + 5
     want, got = run(_compare(cluster, [prompt(40, 61)]))  # P keeps serving the live D
     assert got == want
+
+
+STAGING_SLOTS = 16
+
+
+@pytest.fixture(scope="module")
+def staged(cluster):
+    """P and D that move KV through host slots (host_staging: always), as on a Neuron runtime that
+    cannot register device memory — with few slots, so transfers wait for each other's."""
+    side = free_port()
+    config = {**PATIENT, "host_staging": "always", "host_staging_blocks": STAGING_SLOTS}
+    p = disaggregated("prefill", cluster.model, free_port(), side, "0", cluster.secret, config,
+                      max_model_len=MAX_MODEL_LEN)
+    d = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, config,
+                      max_model_len=MAX_MODEL_LEN)
+    try:
+        for instance in (p, d):
+            instance.start()
+        yield p.wait_ready(), side, d.wait_ready()
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_host_staging_on_either_side_or_both_keeps_outputs_exact(cluster, staged):
+    staged_p, side, staged_d = staged
+    for instance in (staged_p, staged_d):
+        assert f"stages KV through {STAGING_SLOTS} host blocks" in instance.log_path.read_text()
+    texts = [prompt(50 + 20 * i, 60 + i) for i in range(5)]  # 4-10 blocks each: together > 16 slots
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            want = [await reference(cluster, client, t) for t in texts]
+            for prefill, decode in [((staged_p, side), None), (None, staged_d), ((staged_p, side), staged_d)]:
+                got = await asyncio.gather(*(disaggregated_completion(cluster, client, t, prefill=prefill,
+                                                                      decode=decode) for t in texts))
+                assert list(got) == want, (prefill, decode)
+
+    run(scenario())
+    for instance in (staged_p, staged_d, cluster.p, cluster.d):
+        wait_for(lambda: kv_usage(instance) == 0.0, 20, f"{instance.name} KV usage back to 0")
