@@ -17,9 +17,11 @@ import time
 from .calibrate import CALIBRATION_REQUESTS, calibrate, saturation_note
 from .errors import SimulationError
 from .profiles import PROFILES, get_profile
-from .report import crossover_text, reproduction_table, scan_table, scan_verdict, sources_table, sweep_table
+from .report import (breakdown_text, crossover_text, reproduction_table, scan_table, scan_verdict, sources_table,
+                     sweep_table)
 from ..arglists import positive_list
-from .sweep import SweepOptions, crossover, descriptor_scan, reproduce, sweep
+from .steptime import prefill_request_s
+from .sweep import SweepOptions, crossover, descriptor_scan, reproduce, sweep, ttft_breakdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +96,10 @@ def _run(args: argparse.Namespace) -> int:
               "mean of 3 seeds' medians):")
         print(scan_table(scan))
         print(scan_verdict(scan))
+        breakdown = ttft_breakdown(profile, check)
+        print("\nwhere TTFT goes at 8 QPS x 16k, and what could add pull's missing second (mean of 3 seeds):")
+        print(breakdown_text(breakdown, published, prefill_request_s(profile, 16384)))
+        out["ttft_breakdown"] = [b.__dict__ for b in breakdown]
         out["published"] = [dict(r.__dict__, error=r.error) for r in published]
         out["descriptor_scan"] = [{"descriptors": n, "push": a.as_dict(), "pull": b.as_dict()} for n, a, b in scan]
     if extras and args.profile == "p5en":

@@ -1,12 +1,17 @@
 """The decode instance (D): one engine loop that alternates step boundaries and decode steps.
 
-At each step boundary, in this order:
-1. admit new requests FCFS while KV blocks are free. Push: allocate and send P the registration
+At each step boundary, in this order (vLLM's ``Scheduler.schedule`` promotes finished loads out of
+WAITING_FOR_REMOTE_KVS before it admits new requests, whose READs the step then posts):
+1. requests whose KV has fully arrived since the last boundary join the running batch (D sees a
+   completion only at a step boundary). With ``sched_lag_steps`` = L > 0 a completion that arrives
+   while a step runs joins L boundaries later: under vLLM's async scheduling the engine has already
+   scheduled the next step when it reads the step output that reports the transfer done
+   (``get_finished`` at the end of ``execute_model``; ``EngineCore.step_with_batch_queue``). An idle
+   loop has nothing in flight and sees it at once;
+2. admit new requests FCFS while KV blocks are free. Push: allocate and send P the registration
    (D's core, ~0.15 ms). Pull: allocate, then build the descriptor list, make the transfer handle and
    post every descriptor — *on this loop*, so the step that follows, and with it every running
    sequence's next token, waits for it;
-2. requests whose KV has fully arrived since the last boundary join the running batch (D sees a
-   completion only at a step boundary);
 3. one decode step over the running batch: each sequence makes one token. A joining request's first
    step recomputes its last prompt token and yields its first token.
 """
@@ -33,12 +38,13 @@ class DecodeInstance:
         self.capacity_blocks = int(capacity) if capacity > 0 else None
         self.free_blocks = self.capacity_blocks
         self.incoming: deque[Record] = deque()
-        self.loaded: list[Record] = []
+        self.loaded: list[list] = []  # [record, boundaries still to wait]
         self.running: list[list] = []  # [record, context tokens]
         self.context_tokens = 0
         self.assigned = 0  # admitted or waiting, not yet finished: what a router balances on
         self.loop_busy_s = 0.0  # time the loop spent on admission work (pull's posting shows here)
         self.steps = 0
+        self._stepping = False  # a decode step is in flight (a completion then waits for the lag)
         self._wake = env.event()
         env.process(self._loop())
 
@@ -53,7 +59,8 @@ class DecodeInstance:
 
     def kv_loaded(self, record: Record) -> None:
         record.kv_loaded_s = self.env.now
-        self.loaded.append(record)
+        lag = int(self.profile.v("sched_lag_steps")) if self._stepping else 0
+        self.loaded.append([record, lag])
         self._poke()
 
     # -- the engine loop ---------------------------------------------------------------------
@@ -81,6 +88,16 @@ class DecodeInstance:
                 self._wake = env.event()
                 yield self._wake
                 continue
+            waiting = []
+            for entry in self.loaded:
+                record, lag = entry
+                if lag > 0 and self.running:  # the scheduler reads that step's output one step late
+                    entry[1] = lag - 1
+                    waiting.append(entry)
+                    continue
+                self.running.append([record, record.spec.input_len])
+                self.context_tokens += record.spec.input_len
+            self.loaded = waiting
             work = 0.0
             while self._can_admit():
                 record = self.incoming.popleft()
@@ -89,16 +106,17 @@ class DecodeInstance:
                 work += self._admission_s(record)
                 self.on_admitted(record, work)
             if work:
+                # vLLM posts a step's READs inside that step (start_load_kv in execute_model): a
+                # completion arriving meanwhile is reported with that step's output
+                self._stepping = bool(self.running)
                 self.loop_busy_s += work
                 yield env.timeout(work)
-            for record in self.loaded:
-                self.running.append([record, record.spec.input_len])
-                self.context_tokens += record.spec.input_len
-            self.loaded.clear()
             if not self.running:
                 continue
             steps, elapsed = self._steps_until_next_event()
+            self._stepping = True
             yield env.timeout(elapsed)
+            self._stepping = False
             self.steps += steps
             still = []
             for entry in self.running:
@@ -129,8 +147,8 @@ class DecodeInstance:
         """
         n = len(self.running)
         step = decode_step_s(self.profile, n, self.context_tokens)
-        if any(entry[0].tokens_out == 0 for entry in self.running):
-            return 1, step
+        if self.loaded or any(entry[0].tokens_out == 0 for entry in self.running):
+            return 1, step  # a lagging completion joins after a counted number of single steps
         horizon = self.env.peek() - self.env.now
         limit = min(entry[0].spec.output_len - entry[0].tokens_out for entry in self.running)
         per_token = step - decode_step_s(self.profile, n, self.context_tokens - 1)  # d(step)/d(context)

@@ -6,14 +6,15 @@ The two transfer paths, as modelled (each arrow is a delay or a queue in the mod
 push  arrival -> router -> P tokenizes -> P queue -> prefill ........................ kv ready --+
               -> router -> D tokenizes -> D boundary: allocate, register -> side channel --------+-> rendezvous
               -> P writer thread: plan + post (off both loops) -> wire -> notification
-              -> D sees it at its next step boundary -> first decode step -> first token
+              -> D sees it at its next step boundary (+ sched_lag_steps) -> first decode step -> first token
 pull  arrival -> router -> P tokenizes -> P queue -> prefill -> P answers router -> router -> D tokenizes again
               -> D boundary: allocate, build + post descriptors ON D'S LOOP -> wire (READ)
-              -> D sees completion at its next boundary -> first decode step -> first token
+              -> D sees completion at its next boundary (+ sched_lag_steps) -> first decode step -> first token
 none  arrival -> router -> P tokenizes -> P queue -> prefill = first token (for queueing checks)
 
 P holds the prompt's blocks (its lease) until the KV has left: push until the write completes,
-pull until D's read-done notice arrives.
+pull until D's read-done notice arrives — and then until the end of P's step in flight (plus
+sched_lag_steps), because vLLM's P frees them from its own engine loop.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RunResult:
     d_loop_busy_s: float
     d_steps: int
     leaks: list[str]  # KV pools not back at full capacity once every request is done (must be empty)
+    p_peak_blocks: int = 0  # most KV blocks any P held at once (0 when P's pool is unlimited)
 
 
 class _Run:
@@ -183,7 +185,8 @@ class _Run:
                  for kind, group in (("P", self.p), ("D", self.d)) for x in group
                  if x.capacity_blocks is not None and x.free_blocks != x.capacity_blocks]
         return RunResult(self.sc, self.profile, self.records, self.env.now,
-                         sum(d.loop_busy_s for d in self.d), sum(d.steps for d in self.d), leaks)
+                         sum(d.loop_busy_s for d in self.d), sum(d.steps for d in self.d), leaks,
+                         max(p.peak_held_blocks for p in self.p))
 
 
 def simulate(profile: Profile, scenario: Scenario) -> RunResult:

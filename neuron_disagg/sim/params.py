@@ -102,6 +102,9 @@ class Profile:
     # capacities (KV blocks per instance); 0 means unlimited
     p_blocks: Sourced = field(default_factory=lambda: Sourced(0, "blocks", "assumed: unlimited"))
     d_blocks: Sourced = field(default_factory=lambda: Sourced(0, "blocks", "assumed: unlimited"))
+    # steps by which an engine's scheduler sees a transfer's completion later than the boundary that
+    # follows it (vLLM's async scheduling: one); 0 means the next boundary, as a synchronous loop
+    sched_lag_steps: Sourced = field(default_factory=lambda: Sourced(0, "steps", "assumed: synchronous loop"))
 
     def v(self, name: str) -> float:
         return getattr(self, name).value

@@ -45,6 +45,9 @@ class PrefillInstance:
         self.queue: deque[_Prompt] = deque()
         self.writer = simpy.Resource(env, capacity=1)  # one writer thread per TP worker; ranks run alike
         self.outstanding = 0  # queued or prefilling: what a router balances on
+        self.peak_held_blocks = 0  # most blocks held at once (queued prompts' leases included)
+        self._stepping = False
+        self._releasing: list[list[int]] = []  # [blocks, boundaries still to wait]: freed at a step's end
         self._wake = env.event()
         env.process(self._loop())
 
@@ -60,10 +63,31 @@ class PrefillInstance:
         self._poke()
 
     def release(self, record: Record) -> None:
-        """The lease ends: the KV has left (push: write done; pull: D's read-done notice)."""
-        if self.capacity_blocks is not None:
-            self.free_blocks += self.profile.geometry.blocks(record.spec.input_len)
+        """The lease ends: the KV has left (push: write done; pull: D's read-done notice).
+
+        vLLM's P learns it only from its own engine loop: ``get_finished`` at the end of
+        ``execute_model`` (pull: ``_get_new_notifs`` reads D's notification) reports the request in
+        ``finished_sending``, and ``Scheduler._update_from_kv_xfer_finished`` frees its blocks — at
+        the end of the step in flight, ``sched_lag_steps`` steps later still under async
+        scheduling. An idle P polls and frees at once."""
+        if self.capacity_blocks is None:
+            return
+        blocks = self.profile.geometry.blocks(record.spec.input_len)
+        if self._stepping:
+            self._releasing.append([blocks, int(self.profile.v("sched_lag_steps"))])
+        else:
+            self.free_blocks += blocks
             self._poke()
+
+    def _step_ended(self) -> None:
+        still = []
+        for entry in self._releasing:
+            if entry[1] > 0:
+                entry[1] -= 1
+                still.append(entry)
+            else:
+                self.free_blocks += entry[0]
+        self._releasing = still
 
     # -- the engine loop ---------------------------------------------------------------------
     def _poke(self) -> None:
@@ -79,6 +103,7 @@ class PrefillInstance:
             return False
         self.free_blocks -= need
         prompt.holds_blocks = True
+        self.peak_held_blocks = max(self.peak_held_blocks, self.capacity_blocks - self.free_blocks)
         return True
 
     def _form_batch(self) -> list[tuple[_Prompt, int, int]]:
@@ -108,6 +133,10 @@ class PrefillInstance:
         while True:
             batch = self._form_batch() if self.queue else []
             if not batch:
+                if self._releasing:  # nothing in flight: the idle loop frees what it was told of
+                    self.free_blocks += sum(entry[0] for entry in self._releasing)
+                    self._releasing = []
+                    continue
                 self._wake = env.event()
                 yield self._wake
                 continue
@@ -118,7 +147,10 @@ class PrefillInstance:
                 step += prefill_chunk_s(profile, start, tokens)
             finished = [p for p, start, tokens in batch if start + tokens >= p.record.spec.input_len]
             step += len(finished) * profile.v("handoff_s")  # the only transfer work on P's engine loop
+            self._stepping = True
             yield env.timeout(step)
+            self._stepping = False
+            self._step_ended()
             for prompt, start, tokens in batch:
                 prompt.done_tokens = start + tokens
             for prompt in finished:

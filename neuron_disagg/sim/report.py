@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .metrics import Summary
 from .params import Profile
-from .sweep import Reproduced, pair
+from .sweep import Breakdown, Reproduced, md1_extra_service_s, pair
 
 
 def sweep_table(summaries: list[Summary], rates: list[float], input_lens: list[int]) -> str:
@@ -88,4 +88,44 @@ def sources_table(profile: Profile) -> str:
     lines = [f"{profile.name}: {profile.description}"]
     for name, p in profile.sources():
         lines.append(f"  {name:<22} {p.value:>12.4g} {p.unit:<9} {p.source}")
+    return "\n".join(lines)
+
+
+def breakdown_text(rows: list[Breakdown], published: list[Reproduced], prefill_s: float, rate: float = 8.0) -> str:
+    """Where push's and pull's mean TTFT go, and what each candidate mechanism for pull's published
+    gap can add, with the verdict stated in numbers."""
+    push, pull = rows
+    head = f"{'stage (mean ms)':<30} {'push':>8} {'pull':>8}"
+    lines = [head, "-" * len(head)]
+    for label in push.stages_ms:
+        lines.append(f"{label:<30} {push.stages_ms[label]:>8.1f} {pull.stages_ms[label]:>8.1f}")
+    lines.append(f"{'TTFT (mean)':<30} {push.ttft_mean_ms:>8.1f} {pull.ttft_mean_ms:>8.1f}")
+    by = {(r.label, r.mode): r for r in published}
+    pub_push, pub_pull = by[("8 QPS x 16k TTFT", "push")], by[("8 QPS x 16k TTFT", "pull")]
+    gap_pub = pub_pull.published_ms - pub_push.published_ms
+    gap_sim = pub_pull.simulated_ms - pub_push.simulated_ms
+    after = [k for k in push.stages_ms if k not in ("arrival -> prefill start", "prefill")]
+    handoff = sum(pull.stages_ms[k] - push.stages_ms[k] for k in after)
+    extra = md1_extra_service_s(prefill_s, rate, (gap_pub - gap_sim) / 1e3)
+    cap = pull.p_capacity_blocks
+    lines += [
+        f"pull - push TTFT (p50): published {gap_pub:,.0f} ms, simulated {gap_sim:,.0f} ms. Candidates, each "
+        f"checked against vLLM 0.32's pull path:",
+        f"  (a) P holds KV until D's read-done notice, freed from P's own loop (pull_worker._get_new_notifs, "
+        f"Scheduler._update_from_kv_xfer_finished): peak {pull.p_peak_blocks:,.0f} of {cap:,.0f} blocks held "
+        f"({pull.p_peak_blocks / cap:.1%}) — P's pool never throttles its prefills at this capacity",
+        f"  (b)+(c) serial handoff (toy proxy sends D its request after P answers; D re-tokenizes) and D's step "
+        f"boundaries with the async-scheduling lag: the stages after prefill cost pull {handoff:+.0f} ms vs push",
+        f"  (d) a per-request cost on P's loop would need +{extra * 1e3:.1f} ms per prompt (M/D/1 at P utilisation "
+        f"{rate * prefill_s:.2f}: {prefill_s * 1e3:.0f} -> {(prefill_s + extra) * 1e3:.0f} ms) to add the missing "
+        f"{gap_pub - gap_sim:,.0f} ms; vLLM's pull path puts only notification polling and lease reaping on P's "
+        f"loop, so nothing sources such a cost and none is modelled",
+    ]
+    if abs(pub_pull.error) <= 0.15:
+        lines.append(f"verdict: reproduced — pull TTFT {pub_pull.simulated_ms:,.0f} ms vs "
+                     f"{pub_pull.published_ms:,.0f} ms published ({pub_pull.error * 100:+.0f}%), within ±15%.")
+    else:
+        lines.append(f"verdict: NOT reproduced — with every mechanism grounded in vLLM's source, pull TTFT is "
+                     f"{pub_pull.simulated_ms:,.0f} ms vs {pub_pull.published_ms:,.0f} ms published "
+                     f"({pub_pull.error * 100:+.0f}%), outside ±15%; no fudge factor is added to close it.")
     return "\n".join(lines)

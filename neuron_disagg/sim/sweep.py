@@ -130,3 +130,65 @@ def descriptor_scan(profile: Profile, opts: SweepOptions, counts: tuple[int, ...
                      average([run_point(p, "push", rate, input_len, opts, seed) for seed in seeds]),
                      average([run_point(p, "pull", rate, input_len, opts, seed) for seed in seeds])))
     return rows
+
+
+STAGES = (
+    ("arrival -> prefill start", "spec.arrival_s", "prefill_start_s"),
+    ("prefill", "prefill_start_s", "prefill_end_s"),
+    ("prefill end -> transfer start", "prefill_end_s", "transfer_start_s"),
+    ("transfer", "transfer_start_s", "kv_loaded_s"),
+    ("KV loaded -> first token", "kv_loaded_s", "first_token_s"),
+)
+
+
+def _stamp(record, name: str) -> float:
+    value = record
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    mode: str
+    stages_ms: dict[str, float]   # mean per stage; the stages add up to the mean TTFT
+    ttft_mean_ms: float
+    p_peak_blocks: float          # most KV blocks P held at once (mean over seeds)
+    p_capacity_blocks: float
+
+
+def ttft_breakdown(profile: Profile, opts: SweepOptions, rate: float = 8.0, input_len: int = 16384,
+                   seeds: tuple[int, ...] = (0, 1, 2)) -> list[Breakdown]:
+    """Where each mode's mean TTFT goes at one point, and how full P's KV pool gets: the test of
+    which candidate mechanism has room to add a second to pull's TTFT."""
+    out = []
+    for mode in ("push", "pull"):
+        sums = {label: [] for label, _, _ in STAGES}
+        ttft, peaks = [], []
+        for seed in seeds:
+            sc = Scenario(mode, rate, input_len, opts.output_len, opts.requests, seed, opts.burstiness,
+                          opts.num_p, opts.num_d, opts.chunk_tokens)
+            run = simulate(profile, sc)
+            kept = sorted(run.records, key=lambda r: r.spec.rid)[int(len(run.records) * 0.1):]
+            for label, start, end in STAGES:
+                sums[label] += [_stamp(r, end) - _stamp(r, start) for r in kept]
+            ttft += [r.ttft_s for r in kept]
+            peaks.append(run.p_peak_blocks)
+        out.append(Breakdown(mode, {k: float(np.mean(v)) * 1e3 for k, v in sums.items()}, float(np.mean(ttft)) * 1e3,
+                             float(np.mean(peaks)), profile.v("p_blocks")))
+    return out
+
+
+def md1_extra_service_s(service_s: float, rate: float, extra_wait_s: float) -> float:
+    """How much longer each P service would have to be for the M/D/1 mean wait in P's queue to grow
+    by ``extra_wait_s`` (closed form W = rate D^2 / (2 (1 - rate D)), solved by bisection): the size
+    of a per-request P cost that queueing alone would amplify into the published pull gap."""
+    def wait(d: float) -> float:
+        return rate * d * d / (2 * (1 - rate * d))
+
+    target = wait(service_s) + extra_wait_s
+    lo, hi = service_s, 1 / rate
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if wait(mid) < target else (lo, mid)
+    return (lo + hi) / 2 - service_s
