@@ -215,7 +215,9 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             reg = msgspec.structs.replace(step.payload, expires_at=step.now + t.watchdog_s)
             entry.registration, entry.deadline = reg, reg.expires_at
             entry.owed_by = set(peer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size))
-            step.actions.append(self._to_producer(entry, reg))
+            # Only to the P ranks holding our heads: a P rank plans with the D ranks it writes to,
+            # and another D rank's registration there would be missing ours.
+            step.actions.append(SendMessage(entry.p_side_channel, tuple(sorted(entry.owed_by)), reg))
         elif effect is F.SEND_CANCEL:
             step.actions.append(self._to_producer(entry, Cancel(
                 tid, self.side_channel, self.tp_size, step.reason or "decode cancelled")))

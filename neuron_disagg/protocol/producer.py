@@ -13,7 +13,9 @@ counted (and raised under ``strict``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgspec
 
 from .actions import AbortWrite, Action, FailTransfer, FreeBlocks, SendMessage, SubmitWrite
 from .errors import PlanError
@@ -142,6 +144,7 @@ class ProducerTransfer(Entry[PState]):
     block_ids: tuple[int, ...] | None = None
     reply_to: str | None = None  # D's side channel, from its registration or cancel
     d_tp_size: int = 1
+    partial: list[Registration] = field(default_factory=list)  # D ranks registered so far (P TP < D TP)
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,35 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             self._drop("registration:expired_on_arrival")
             return []
         entry = self._entry(registration.transfer_id, step, create=True)
+        if entry.registration is None and entry.state not in TERMINAL:
+            whole = self._gather(entry, registration)
+            if whole is None:
+                return step.actions
+            step.payload = registration = whole
         if entry.registration is None or entry.state in TERMINAL:
             entry.reply_to, entry.d_tp_size = registration.d_side_channel, registration.d_tp_size
         self._fire(entry, PEvent.REGISTRATION, step)
         return step.actions
+
+    def _gather(self, entry: ProducerTransfer, registration: Registration) -> Registration | None:
+        """With more D ranks than P ranks, each D rank registers its own regions with the P ranks
+        holding its heads: wait until every D rank this rank writes to has registered, then go on
+        as if one registration named them all (the earliest expiry holds)."""
+        needed = set(peer_ranks(self.tp_rank, self.tp_size, registration.d_tp_size))
+        if len(needed) == 1:
+            return registration
+        first = entry.partial[0] if entry.partial else registration
+        if (registration.block_ids, registration.first_block_index, registration.d_tp_size,
+                registration.d_side_channel) != (first.block_ids, first.first_block_index, first.d_tp_size,
+                                                 first.d_side_channel):
+            self._drop("registration:inconsistent_ranks")
+            return None
+        entry.partial.append(registration)
+        ranks = {r.tp_rank: r for reg in entry.partial for r in reg.ranks}
+        if not needed <= set(ranks):
+            return None
+        return msgspec.structs.replace(first, ranks=tuple(ranks[r] for r in sorted(ranks)),
+                                       expires_at=min(reg.expires_at for reg in entry.partial))
 
     def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], now: float) -> list[Action]:
         """Prefill finished; ``block_ids`` (exactly the prompt's blocks) are ours to free."""

@@ -6,6 +6,7 @@ channel and the push writer (P) or receiver (D), then answers commands:
 
   {"op": "fill", "blocks": [..], "seed": n}            P: write a known pattern into blocks
   {"op": "digest", "blocks": [..]}                      sha256 of each block (all layers, K and V)
+  {"op": "read", "block": n}                            the block's bytes in each region, hex
   {"op": "kv_ready", "tid": [req, attempt], "blocks": [..]}          P
   {"op": "expect", "tid": [..], "p_address": "h:p", "p_tp": 1}      D
   {"op": "allocate", "tid": [..], "blocks": [..], "first": 0}       D
@@ -61,9 +62,16 @@ class Peer:
         self.role = args.role
         self._emit = emit
         self.codec = WireCodec(Config().load_secret())
-        shape, tp = SHAPES[args.shape]
-        self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, 0, tp)), dtype=np.uint8)
-        self.regions = rank_regions(shape, args.blocks, 0, tp, base_addr=self.buffer.ctypes.data)
+        shape, shape_tp = SHAPES[args.shape]
+        # With --tp-size this process is rank --tp-rank of that many (one process per rank, each
+        # listening on --port + rank); without, it plays rank 0 alone.
+        rank, tp = args.tp_rank, args.tp_size or 1
+        if rank and not args.port:
+            raise SystemExit("--tp-rank > 0 needs --port (the instance's base side-channel port)")
+        layout_tp = args.tp_size or shape_tp
+        self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, rank, layout_tp)), dtype=np.uint8)
+        self.regions = rank_regions(shape, args.blocks, rank, layout_tp, base_addr=self.buffer.ctypes.data)
+        self.rank, self.tp = rank, tp
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
                           else InMemoryTransport(self.agent))
@@ -71,8 +79,9 @@ class Peer:
         self.outstanding: dict[TransferId, tuple[int, ...]] = {}  # blocks lent to a transfer
         self.allocated_at: dict[TransferId, float] = {}
         self._out = threading.Lock()
-        self.server = SideChannelServer("127.0.0.1", args.port, self.codec, self.on_message, args.role)
-        self.address = self.server.address
+        port = args.port + rank if args.port else 0
+        self.server = SideChannelServer("127.0.0.1", port, self.codec, self.on_message, args.role)
+        self.address = f"127.0.0.1:{args.port}" if args.port else self.server.address
         peers = Peers(self.transport, SideChannelClient(self.codec), self.address, args.role)
         self.mode, self.lease_s = args.mode, args.lease_s
         if self.role == "prefill" and self.mode == "pull":
@@ -84,11 +93,11 @@ class Peer:
                                      self.failed, self.freed)
         elif self.role == "prefill":
             t = ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60)
-            self.core = ProducerCore(self.regions, 0, 1, t, merge_descriptors=not args.no_merge)
+            self.core = ProducerCore(self.regions, rank, tp, t, merge_descriptors=not args.no_merge)
             self.thread = PushWriter(self.core, self.transport, self.codec, peers, self.freed)
         else:
             t = ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60)
-            self.core = ConsumerCore(self.address, 0, 1, t)
+            self.core = ConsumerCore(self.address, rank, tp, t)
             self.thread = PushReceiver(self.core, self.transport, self.codec, peers, self.loaded,
                                        self.failed, self.freed)
         self.thread.start()
@@ -118,7 +127,7 @@ class Peer:
     # -- messages in ------------------------------------------------------------------------------------
     def on_message(self, message):
         if isinstance(message, AgentInfoRequest):  # the agent as it is now: a reset renames it
-            return AgentInfo(0, self.transport.name, self.transport.metadata(),
+            return AgentInfo(self.rank, self.transport.name, self.transport.metadata(),
                              tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
         wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
                   ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
@@ -146,6 +155,8 @@ class Peer:
                 for region in self.regions:
                     self.block_view(region, block)[:] = rng.integers(0, 256, region.block_bytes, np.uint8)
             return {}
+        if op == "read":
+            return {"regions": [self.block_view(r, cmd["block"]).tobytes().hex() for r in self.regions]}
         if op == "digest":
             return {"digest": [hashlib.sha256(b"".join(self.block_view(r, b).tobytes() for r in self.regions)).hexdigest()
                                for b in cmd["blocks"]]}
@@ -169,7 +180,7 @@ class Peer:
                                   cmd.get("first", 0))
         elif op == "allocate":
             self.thread.allocated(Registration(
-                tid, self.agent, f"d-{tid}", self.address, 1, (RankRegions(0, self.agent, self.regions),),
+                tid, self.agent, f"d-{tid}", self.address, self.tp, (RankRegions(self.rank, self.agent, self.regions),),
                 tuple(cmd["blocks"]), cmd.get("first", 0), 0.0))
         elif op == "abort":
             self.thread.abort(tid, cmd.get("reason", "aborted"))
@@ -199,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--transport", choices=["nixl", "memory"], default="nixl")
     parser.add_argument("--mode", choices=["push", "pull"], default="push")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=0, help="TP size this rank belongs to (default: alone)")
     parser.add_argument("--no-merge", action="store_true", help="post one descriptor per block (to measure merging)")
     parser.add_argument("--backend", default="UCX")
     parser.add_argument("--lease-s", type=float, default=5.0)

@@ -90,3 +90,46 @@ def test_blocks_are_back_after_every_transfer(pair):
     for peer in pair:
         stats = peer.call("stats")
         assert stats["outstanding_blocks"] == 0 and stats["live"] == 0, stats
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (2, 2), (1, 2)], ids=["P-TP2-to-D-TP1", "P-TP2-to-D-TP2",
+                                                                     "P-TP1-to-D-TP2"])
+def test_tensor_parallel_ranks_write_their_heads_into_place(fabric, p_tp, d_tp):
+    """One process per rank, as vLLM runs one worker per rank: each P rank writes its KV heads into
+    the D rank(s) holding them, at the right offset inside each block, and D loads only once every
+    P rank it owes has written."""
+    from neuron_disagg.local_cluster import free_port
+
+    p_port, d_port = free_port(), free_port()
+    ranks = []
+    try:
+        ps = [fabric.peer("prefill", "--port", str(p_port), "--tp-rank", str(r), "--tp-size", str(p_tp),
+                          "--lease-s", "5") for r in range(p_tp)]
+        ranks += ps
+        ds = [fabric.peer("decode", "--port", str(d_port), "--tp-rank", str(r), "--tp-size", str(d_tp),
+                          "--watchdog-s", "5", "--max-write-s", "2") for r in range(d_tp)]
+        ranks += ds
+        tid, p_blocks, d_blocks = ["tp", 0], [3, 7, 8], [10, 11, 30]
+        for r, p in enumerate(ps):
+            p.call("fill", blocks=p_blocks, seed=100 + r)  # each rank's heads differ
+        for d in ds:
+            d.call("expect", tid=tid, p_address=ps[0].address, p_tp=p_tp)
+            d.call("allocate", tid=tid, blocks=d_blocks)
+        for p in ps:
+            p.call("kv_ready", tid=tid, blocks=p_blocks)
+        for d in ds:
+            d.event_for("loaded", tid)
+        for p in ps:
+            assert sorted(p.event_for("free", tid)["blocks"]) == p_blocks
+        for p_block, d_block in zip(p_blocks, d_blocks):
+            # HND: a block holds its heads one after another, so the model's block is the P ranks'
+            # blocks end to end, and D rank j holds its slice of that.
+            shares = [[bytes.fromhex(h) for h in p.call("read", block=p_block)["regions"]] for p in ps]
+            whole = [b"".join(share[region] for share in shares) for region in range(len(shares[0]))]
+            for j, d in enumerate(ds):
+                got = [bytes.fromhex(h) for h in d.call("read", block=d_block)["regions"]]
+                size = len(whole[0]) // d_tp
+                assert got == [w[j * size:(j + 1) * size] for w in whole], f"D rank {j}, block {d_block}"
+    finally:
+        for rank in ranks:
+            rank.stop()

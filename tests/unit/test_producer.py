@@ -226,3 +226,32 @@ def test_clock_stepping_back_does_not_extend_anything():
     c.tick(50.0)  # clock stepped back
     c.kv_ready(TransferId("other"), (1,), 50.0)
     assert c.entries[TransferId("other")].deadline == 100.0 + T.lease_s
+
+
+def _d_rank_registration(d_rank, expires_at=50.0, blocks=(7, 8, 9)):
+    """D at TP 2: each rank registers its own half of the heads."""
+    regions = rank_regions(SHAPE, 16, d_rank, 2, base_addr=1 << 20)
+    return Registration(TID, "d", "d-req", "d-host:1", 2, (RankRegions(d_rank, f"d{d_rank}", regions),),
+                        blocks, 0, expires_at)
+
+
+def test_with_fewer_p_ranks_than_d_ranks_the_write_waits_for_every_d_ranks_registration():
+    c = core()  # P at TP 1 holds every head: it writes into both D ranks
+    c.kv_ready(TID, BLOCKS, 0)
+    assert not [a for a in c.registration_received(_d_rank_registration(1, expires_at=40.0), 1)
+                if isinstance(a, SubmitWrite)]
+    assert c.entries[TID].state is PState.AWAITING_REGISTRATION
+    submits = [a for a in c.registration_received(_d_rank_registration(0), 2) if isinstance(a, SubmitWrite)]
+    assert [w.d_rank for w in submits[0].plan.writes] == [0, 1]
+    assert [w.remote_agent for w in submits[0].plan.writes] == ["d0", "d1"]
+    assert c.entries[TID].registration.expires_at == 40.0  # the earliest of the two holds
+
+
+def test_a_d_rank_registration_that_disagrees_with_the_others_is_dropped():
+    c = core()
+    c.registration_received(_d_rank_registration(0), 0)
+    c.registration_received(_d_rank_registration(1, blocks=(1, 2, 3)), 1)
+    assert c.counters["dropped:registration:inconsistent_ranks"] == 1
+    assert c.entries[TID].registration is None
+    c.registration_received(_d_rank_registration(1), 2)
+    assert c.entries[TID].state is PState.AWAITING_KV
