@@ -67,23 +67,74 @@ class HostStaging:
             then(tuple(self._free.popleft() for _ in range(count)))
 
     # -- copies (on the owning transfer thread) -------------------------------------------------------
+    # Contiguous runs of blocks and slots move as slices (memcpy on CPU, one DMA each on a device);
+    # a scattered list moves by index, over 8-byte words where the tensor is on the CPU (torch's
+    # CPU index kernels go element by element: bf16 rows moved at 0.3 GiB/s here, int64 rows at 2).
     def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Device blocks -> host slots."""
-        import torch
-
+        runs = _runs(blocks, slots)
         for view, host in zip(self._views, self._host):
-            index = torch.tensor(list(blocks), dtype=torch.long, device=view.device)
-            data = view.index_select(0, index).cpu().contiguous()
-            host[list(slots)] = data.view(torch.uint8).reshape(len(slots), -1)
+            if len(runs) <= _MAX_RUNS:
+                for block, slot, n in runs:
+                    host[slot:slot + n].copy_(_byte_rows(view[block:block + n].cpu()))
+            elif view.device.type == "cpu" and view.is_contiguous():
+                _words(host).index_copy_(0, _index(slots), _words(view).index_select(0, _index(blocks)))
+            else:
+                gathered = view.index_select(0, _index(blocks, view.device)).cpu()
+                _words(host).index_copy_(0, _index(slots), _words(_byte_rows(gathered)))
 
     def to_device(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Host slots -> device blocks."""
-        import torch
-
+        runs = _runs(blocks, slots)
         for view, host in zip(self._views, self._host):
-            data = host[list(slots)].view(view.dtype).reshape(len(slots), *view.shape[1:])
-            index = torch.tensor(list(blocks), dtype=torch.long, device=view.device)
-            view.index_copy_(0, index, data.to(view.device))
+            if len(runs) <= _MAX_RUNS:
+                for block, slot, n in runs:
+                    view[block:block + n].copy_(_typed(host[slot:slot + n], view))
+            elif view.device.type == "cpu" and view.is_contiguous():
+                _words(view).index_copy_(0, _index(blocks), _words(host).index_select(0, _index(slots)))
+            else:
+                data = _typed(host.index_select(0, _index(slots)), view)
+                view.index_copy_(0, _index(blocks, view.device), data.to(view.device))
+
+
+_MAX_RUNS = 16
+
+
+def _runs(blocks: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each stretch where both go up by one."""
+    runs: list[list[int]] = []
+    for block, slot in zip(blocks, slots):
+        if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([block, slot, 1])
+    return [tuple(run) for run in runs]
+
+
+def _index(ids: Sequence[int], device=None):
+    import torch
+
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def _byte_rows(tensor):
+    """A (host) tensor as one row of bytes per block."""
+    import torch
+
+    return tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], -1)
+
+
+def _words(rows):
+    """Rows of a contiguous CPU tensor as 8-byte words where they divide evenly, else bytes."""
+    import torch
+
+    flat = rows.reshape(rows.shape[0], -1).view(torch.uint8)
+    return flat.view(torch.int64) if flat.shape[1] % 8 == 0 else flat
+
+
+def _typed(host_rows, view):
+    """Host byte rows reinterpreted in the layout of ``view``'s blocks."""
+    return host_rows.view(view.dtype).reshape(host_rows.shape[0], *view.shape[1:])
 
 
 class StagedTransfers:

@@ -55,3 +55,19 @@ def test_waiting_for_slots_is_first_come_first_served():
     assert staging.free_slots == 4 - 2 - 1
     with pytest.raises(ValueError, match="host_staging_blocks"):
         staging.take(5, got.append)
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
+def test_many_blocks_by_runs_or_scattered_arrive_intact(scattered):
+    caches = _caches(blocks=64)
+    regions = regions_from_kv_caches(caches, 0)
+    staging = HostStaging(kv_views(caches), regions, slots=40)
+    blocks = list(range(0, 64, 2))[:30] if scattered else list(range(10, 40))
+    targets = list(range(63, 33, -1)) if scattered else list(range(40, 64)) + list(range(4, 10))
+    slots = list(range(5, 35))
+    before = {name: t.clone() for name, t in caches.items()}
+    staging.to_host(blocks, slots)
+    staging.to_device(slots, targets)
+    for src, dst in zip(blocks, targets):
+        assert torch.equal(caches["layers.0"][dst], before["layers.0"][src])
+        assert torch.equal(caches["layers.1"][:, dst], before["layers.1"][:, src])
