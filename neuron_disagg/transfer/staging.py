@@ -52,7 +52,9 @@ class HostStaging:
         self._serve()
 
     def give_back(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
+        # Kept in order, so the next transfer gets a run of neighbouring slots: runs copy as
+        # slices, scattered slots by index at a fraction of the speed (see the copies below).
+        self._free = deque(sorted((*self._free, *slots)))
         self._serve()
 
     def cancel_waiting(self) -> list[Callable[[tuple[int, ...]], None]]:

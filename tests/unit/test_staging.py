@@ -71,3 +71,19 @@ def test_many_blocks_by_runs_or_scattered_arrive_intact(scattered):
     for src, dst in zip(blocks, targets):
         assert torch.equal(caches["layers.0"][dst], before["layers.0"][src])
         assert torch.equal(caches["layers.1"][:, dst], before["layers.1"][:, src])
+
+
+def test_slots_given_back_out_of_order_are_handed_out_as_a_run():
+    caches = _caches()
+    staging = HostStaging(kv_views(caches), regions_from_kv_caches(caches, 0), slots=6)
+    got = []
+    for count in (2, 2, 2):
+        staging.take(count, got.append)
+    staging.give_back(got[2])
+    staging.give_back(got[0])
+    staging.take(4, got.append)
+    assert got[-1] == (0, 1, 4, 5)
+    staging.give_back(got[1])
+    staging.give_back(got[-1])
+    staging.take(6, got.append)
+    assert got[-1] == tuple(range(6))
