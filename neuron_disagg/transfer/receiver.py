@@ -25,7 +25,7 @@ from ..protocol.messages import CancelAck, RankRegions, Registration, TransferId
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .peers import Peers
-from .staging import HostStaging, StagedTransfers
+from .staging import HostStaging
 from .transport import Transport
 from .worker import TransferThread
 
@@ -43,8 +43,6 @@ class PushReceiver(TransferThread):
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.rejected: Counter[str] = Counter()
         self.staging = staging
-        self.staged = StagedTransfers()
-        self._waiting_for_slots: dict[TransferId, tuple[int, ...]] = {}  # tid -> the engine's blocks
 
     # -- called from other threads: queue puts only --------------------------------------------------
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
@@ -85,7 +83,7 @@ class PushReceiver(TransferThread):
             else:
                 self._stage(item[1])
         elif kind == "abort":
-            blocks = self._waiting_for_slots.pop(item[1], None)
+            blocks = self.staging.withdraw(item[1]) if self.staging else None
             if blocks is not None:  # P never heard of these blocks: the engine may have them back
                 self.on_free(item[1], blocks)
             self._perform(self.core.abort(item[1], item[2], now))
@@ -97,37 +95,25 @@ class PushReceiver(TransferThread):
         tid, blocks = registration.transfer_id, registration.block_ids
 
         def register(slots: tuple[int, ...]) -> None:
-            if self._waiting_for_slots.pop(tid, None) is None:  # aborted while waiting
-                return self.staging.give_back(slots)
-            self.staged.add(tid, blocks, slots)
             ranks = tuple(RankRegions(r.tp_rank, r.agent_name, self.staging.regions) for r in registration.ranks)
             self._perform(self.core.allocated(replace(registration, ranks=ranks, block_ids=slots), time.time()))
 
-        self._waiting_for_slots[tid] = blocks
         try:
-            self.staging.take(len(blocks), register)
+            self.staging.take(tid, blocks, register)
         except ValueError as exc:
-            self._waiting_for_slots.pop(tid, None)
             self._perform(self.core.abort(tid, str(exc), time.time()))
             self.on_free(tid, blocks)
 
     def _loaded(self, tid: TransferId) -> None:
-        staged = self.staged.pop(tid) if self.staging is not None else None
-        if staged is not None:
-            blocks, slots = staged
-            self.staging.to_device(slots, blocks)
-            self.staging.give_back(slots)
+        held = self.staging.held(tid) if self.staging else None
+        if held is not None:
+            self.staging.to_device(held[1], held[0])
+            self.staging.release(tid)
         self.on_loaded(tid)
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
-        if self.staging is None:
-            return self.on_free(tid, block_ids)
-        staged = self.staged.pop(tid)
-        if staged is not None:  # the fence passed: P will not write into these slots any more
-            self.staging.give_back(staged[1])
-            self.on_free(tid, staged[0])
-        else:
-            self.on_free(tid, block_ids)
+        blocks = self.staging.release(tid) if self.staging else None  # P is done with the slots
+        self.on_free(tid, block_ids if blocks is None else blocks)
 
     def _notification(self, sender: str, frame: bytes) -> None:
         try:
@@ -167,11 +153,8 @@ class PushReceiver(TransferThread):
         self._abort_all("decode receiver shut down")
 
     def _abort_all(self, reason: str) -> None:
-        for tid, blocks in list(self._waiting_for_slots.items()):
+        for tid, blocks in self.staging.withdraw_all() if self.staging else ():
             self.on_free(tid, blocks)
-        self._waiting_for_slots.clear()
-        if self.staging is not None:
-            self.staging.cancel_waiting()
         now = time.time()
         for entry in self.core.live():
             self._perform(self.core.abort(entry.transfer_id, reason, now))

@@ -9,7 +9,7 @@ staging regions exactly as it would with block numbers in the device regions.
 
 The copies use torch on the KV tensors vLLM gave us, so the same code runs on CPU tensors (tested
 here) and on XLA device tensors (Neuron; not verified here). Slots are few: a transfer that finds
-none waits, FIFO, until an earlier one gives its slots back.
+none waits, first come first served, until an earlier one gives its slots back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ..protocol.messages import Region, TransferId
 
 
 class HostStaging:
-    """Host slots mirroring the device regions. Owned by one transfer thread."""
+    """Host slots mirroring the device regions, and which transfer holds which. Owned by one
+    transfer thread: it takes slots for a transfer's blocks, and releases or withdraws them."""
 
     def __init__(self, views: Sequence[Any], regions: Sequence[Region], slots: int):
         """``views[i]``: a tensor whose first dimension is the blocks of ``regions[i]``."""
@@ -36,37 +37,58 @@ class HostStaging:
         self.regions = tuple(replace(r, base_addr=h.data_ptr(), num_blocks=self.slots)
                              for r, h in zip(regions, self._host))
         self._free: deque[int] = deque(range(self.slots))
-        self._waiting: deque[tuple[int, Callable[[tuple[int, ...]], None]]] = deque()
+        # transfer -> (the engine's blocks, what to call with the slots), first come first served
+        self._waiting: dict[TransferId, tuple[tuple[int, ...], Callable[[tuple[int, ...]], None]]] = {}
+        self._held: dict[TransferId, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # -> (blocks, slots)
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
-    def take(self, count: int, then: Callable[[tuple[int, ...]], None]) -> None:
-        """Call ``then(slots)`` with ``count`` slots: now, or once enough were given back (FIFO, so
-        a large transfer is not starved by small ones)."""
-        if count > self.slots:
-            raise ValueError(f"a transfer of {count} blocks can never fit {self.slots} staging slots: "
+    def take(self, tid: TransferId, blocks: tuple[int, ...], then: Callable[[tuple[int, ...]], None]) -> None:
+        """Call ``then(slots)``, one slot per block: now, or once enough were given back (in order
+        of asking, so a large transfer is not starved by small ones)."""
+        if len(blocks) > self.slots:
+            raise ValueError(f"a transfer of {len(blocks)} blocks can never fit {self.slots} staging slots: "
                              "raise host_staging_blocks")
-        self._waiting.append((count, then))
+        self._waiting[tid] = (tuple(blocks), then)
         self._serve()
 
-    def give_back(self, slots: Sequence[int]) -> None:
+    def held(self, tid: TransferId) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(the engine's blocks, their slots) of a transfer holding slots."""
+        return self._held.get(tid)
+
+    def release(self, tid: TransferId) -> tuple[int, ...] | None:
+        """The transfer's slots go back; returns its engine blocks (None: it held none)."""
+        held = self._held.pop(tid, None)
+        if held is None:
+            return None
         # Kept in order, so the next transfer gets a run of neighbouring slots: runs copy as
         # slices, scattered slots by index at a fraction of the speed (see the copies below).
-        self._free = deque(sorted((*self._free, *slots)))
+        self._free = deque(sorted((*self._free, *held[1])))
         self._serve()
+        return held[0]
 
-    def cancel_waiting(self) -> list[Callable[[tuple[int, ...]], None]]:
-        """Forget every transfer still waiting for slots (shutdown); returns their callbacks."""
-        waiting = [then for _, then in self._waiting]
+    def withdraw(self, tid: TransferId) -> tuple[int, ...] | None:
+        """Forget a transfer still waiting for slots; returns its engine blocks (None: not waiting)."""
+        waiting = self._waiting.pop(tid, None)
+        return None if waiting is None else waiting[0]
+
+    def withdraw_all(self) -> list[tuple[TransferId, tuple[int, ...]]]:
+        """Forget every waiting transfer (shutdown): (transfer, engine blocks) of each."""
+        waiting = [(tid, blocks) for tid, (blocks, _) in self._waiting.items()]
         self._waiting.clear()
         return waiting
 
     def _serve(self) -> None:
-        while self._waiting and self._waiting[0][0] <= len(self._free):
-            count, then = self._waiting.popleft()
-            then(tuple(self._free.popleft() for _ in range(count)))
+        while self._waiting:
+            tid, (blocks, then) = next(iter(self._waiting.items()))
+            if len(blocks) > len(self._free):
+                return
+            del self._waiting[tid]
+            slots = tuple(self._free.popleft() for _ in blocks)
+            self._held[tid] = (blocks, slots)
+            then(slots)
 
     # -- copies (on the owning transfer thread) -------------------------------------------------------
     # Contiguous runs of blocks and slots move as slices (memcpy on CPU, one DMA each on a device);
@@ -137,23 +159,6 @@ def _words(rows):
 def _typed(host_rows, view):
     """Host byte rows reinterpreted in the layout of ``view``'s blocks."""
     return host_rows.view(view.dtype).reshape(host_rows.shape[0], *view.shape[1:])
-
-
-class StagedTransfers:
-    """Which slots stand for which device blocks, per transfer."""
-
-    def __init__(self) -> None:
-        self._by_transfer: dict[TransferId, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-
-    def add(self, tid: TransferId, blocks: tuple[int, ...], slots: tuple[int, ...]) -> None:
-        self._by_transfer[tid] = (blocks, slots)
-
-    def pop(self, tid: TransferId) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """(device blocks, slots) of ``tid``, forgotten."""
-        return self._by_transfer.pop(tid, None)
-
-    def get(self, tid: TransferId) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        return self._by_transfer.get(tid)
 
 
 def kv_views(kv_caches: dict[str, Any]) -> list[Any]:

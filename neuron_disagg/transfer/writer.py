@@ -26,7 +26,7 @@ from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .peers import Peers
 from .inflight import InFlight, Part
-from .staging import HostStaging, StagedTransfers
+from .staging import HostStaging
 from .transport import Transport
 from .worker import TransferThread
 
@@ -41,8 +41,6 @@ class PushWriter(TransferThread):
         self.core, self.transport, self.codec = core, transport, codec
         self.on_free = on_free
         self.staging = staging
-        self.staged = StagedTransfers()
-        self._waiting_for_slots: dict[TransferId, tuple[int, ...]] = {}  # tid -> the engine's blocks
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(("peer_ready", agent, error)),
@@ -90,8 +88,8 @@ class PushWriter(TransferThread):
             else:
                 self._stage(item[1], item[2])
         elif kind == "abort":
-            blocks = self._waiting_for_slots.pop(item[1], None)
-            if blocks is not None:
+            blocks = self.staging.withdraw(item[1]) if self.staging else None
+            if blocks is not None:  # never copied: the engine's blocks go straight back
                 self.on_free(item[1], blocks)
             self._perform(self.core.abort(item[1], item[2], now))
         elif kind == "message":
@@ -108,27 +106,20 @@ class PushWriter(TransferThread):
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
         def copy(slots: tuple[int, ...]) -> None:
-            if self._waiting_for_slots.pop(tid, None) is None:  # aborted while waiting
-                return self.staging.give_back(slots)
             self.staging.to_host(blocks, slots)
-            self.staged.add(tid, blocks, slots)
             self.on_free(tid, blocks)  # copied: the engine may reuse them now
             self._perform(self.core.kv_ready(tid, slots, time.time()))
 
-        self._waiting_for_slots[tid] = blocks
         try:
-            self.staging.take(len(blocks), copy)
+            self.staging.take(tid, blocks, copy)
         except ValueError as exc:
-            self._waiting_for_slots.pop(tid, None)
             self.on_free(tid, blocks)
             self._perform(self.core.abort(tid, str(exc), time.time()))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         if self.staging is None:
             return self.on_free(tid, block_ids)
-        staged = self.staged.pop(tid)
-        if staged is not None:
-            self.staging.give_back(staged[1])
+        self.staging.release(tid)  # the engine had its blocks back when they were copied
 
     # -- performing the core's actions ---------------------------------------------------------------
     def _perform(self, actions) -> None:
@@ -170,11 +161,8 @@ class PushWriter(TransferThread):
         self._perform(self.core.write_failed(tid, reason, time.time()))
 
     def _fail_all(self, reason: str) -> None:
-        for tid, blocks in list(self._waiting_for_slots.items()):
+        for tid, blocks in self.staging.withdraw_all() if self.staging else ():
             self.on_free(tid, blocks)
-        self._waiting_for_slots.clear()
-        if self.staging is not None:
-            self.staging.cancel_waiting()
         for tid in self.writes.tids():
             self._failed(tid, reason)
         now = time.time()

@@ -46,15 +46,15 @@ def test_waiting_for_slots_is_first_come_first_served():
     caches = _caches()
     staging = HostStaging(kv_views(caches), regions_from_kv_caches(caches, 0), slots=4)
     got = []
-    staging.take(3, lambda s: got.append(("a", s)))
-    staging.take(2, lambda s: got.append(("b", s)))
-    staging.take(1, lambda s: got.append(("c", s)))  # would fit now, but waits behind b
+    staging.take("a", (10, 11, 12), lambda s: got.append(("a", s)))
+    staging.take("b", (13, 14), lambda s: got.append(("b", s)))
+    staging.take("c", (15,), lambda s: got.append(("c", s)))  # would fit now, but waits behind b
     assert got == [("a", (0, 1, 2))]
-    staging.give_back((0, 1, 2))
+    staging.release("a")
     assert [name for name, _ in got] == ["a", "b", "c"]
     assert staging.free_slots == 4 - 2 - 1
     with pytest.raises(ValueError, match="host_staging_blocks"):
-        staging.take(5, got.append)
+        staging.take("d", tuple(range(5)), got.append)
 
 
 @pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
@@ -77,13 +77,13 @@ def test_slots_given_back_out_of_order_are_handed_out_as_a_run():
     caches = _caches()
     staging = HostStaging(kv_views(caches), regions_from_kv_caches(caches, 0), slots=6)
     got = []
-    for count in (2, 2, 2):
-        staging.take(count, got.append)
-    staging.give_back(got[2])
-    staging.give_back(got[0])
-    staging.take(4, got.append)
+    for tid in ("a", "b", "c"):
+        staging.take(tid, (1, 2), got.append)
+    staging.release("c")
+    staging.release("a")
+    staging.take("d", (1, 2, 3, 4), got.append)
     assert got[-1] == (0, 1, 4, 5)
-    staging.give_back(got[1])
-    staging.give_back(got[-1])
-    staging.take(6, got.append)
+    staging.release("b")
+    staging.release("d")
+    staging.take("e", tuple(range(6)), got.append)
     assert got[-1] == tuple(range(6))
