@@ -21,6 +21,7 @@ COUNTS = {
     "registrations_rejected": "registrations refused before any write (bad geometry, memory)",
     "messages_rejected": "wire messages refused (signature, version, size, schema)",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
+    "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
 }
 
 

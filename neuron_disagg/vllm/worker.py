@@ -243,10 +243,13 @@ class WorkerSide:
             getattr(self.thread, "rejected", {}).values())
         totals["registrations_rejected"] = self.thread.core.counters["registration_rejected"]
         write_ms: list[float] = []
+        for initiator in (self.thread, self.pull):  # P's writer, D's reader: whoever posts transfers
+            if isinstance(initiator, (PushWriter, PullReader)):
+                for name in ("bytes", "descriptors", "agent_resets"):
+                    totals[name] += initiator.stats[name]
         if isinstance(self.thread, PushWriter):
             t = self.thread.stats
-            totals.update({"transfers": t["done"], "transfers_failed": t["failed"], "bytes": t["bytes"],
-                           "descriptors": t["descriptors"]})
+            totals.update({"transfers": t["done"], "transfers_failed": t["failed"]})
             totals["registrations_rejected"] += t["registration_rejected"]
             failures = Counter(self.thread.failures)
             totals["lease_expiries"] = failures["lease expired"]

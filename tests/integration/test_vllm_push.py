@@ -318,9 +318,12 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
                 .json()["choices"][0]["text"] for t in texts]
         return want, direct, routed_out
 
+    read_bytes = _metric(cluster.d, "neuron_disagg_bytes_total")  # D posts in pull: its reader's counters
     want, direct, routed_out = run(scenario())
     assert direct == want
     assert routed_out == want
+    wait_for(lambda: _metric(cluster.d, "neuron_disagg_bytes_total") > read_bytes, 30, "D's read bytes counted")
+    assert _metric(cluster.d, "neuron_disagg_descriptors_total") > 0
     blocks_back(cluster)
 
 

@@ -1,0 +1,42 @@
+"""The connector's counters on their way to /metrics: aggregated across workers by vLLM's
+``KVConnectorStats`` contract, then exported by ``ConnectorPromMetrics`` through prometheus_client.
+The path from the transfer threads into these payloads is exercised by the vLLM integration tests."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import prometheus_client
+import pytest
+
+pytest.importorskip("vllm")
+
+from neuron_disagg.vllm.stats import COUNTS, ConnectorPromMetrics, ConnectorStats  # noqa: E402
+
+
+def payload(**counts: int) -> dict:
+    return {"counts": counts, "failures": {}, "write_ms": [], "step_us": []}
+
+
+def test_worker_snapshots_add_up_across_ranks():
+    total = ConnectorStats(payload(bytes=10, agent_resets=1))
+    total.aggregate(ConnectorStats(payload(bytes=5, agent_resets=2, descriptors=3)))
+    reduced = total.reduce()
+    assert (reduced["bytes"], reduced["agent_resets"], reduced["descriptors"]) == (15, 3, 3)
+    assert set(COUNTS) <= set(reduced)
+
+
+def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine():
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"], 1: ["1"]})
+    metrics.observe(payload(agent_resets=2, bytes=4096), engine_idx=1)
+    metrics.observe(payload(agent_resets=1), engine_idx=1)
+    assert registry.get_sample_value("neuron_disagg_agent_resets_total", {"engine": "1"}) == 3
+    assert registry.get_sample_value("neuron_disagg_bytes_total", {"engine": "1"}) == 4096
+    assert registry.get_sample_value("neuron_disagg_agent_resets_total", {"engine": "0"}) in (None, 0)
+    for name in COUNTS:
+        metrics.observe(payload(**{name: 1}), engine_idx=0)
+        assert registry.get_sample_value(f"neuron_disagg_{name}_total", {"engine": "0"}) == 1, name
