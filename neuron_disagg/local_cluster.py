@@ -1,6 +1,7 @@
 """Start and stop vLLM instances on 127.0.0.1 as child processes: for the demo, the integration
-tests and `neuron-disagg bench` on CPU. Each instance is pinned to one core (two servers left
-unpinned fight over both cores), logs to a file, and is stopped by its own process group's id."""
+tests and `neuron-disagg bench` on CPU. Each instance computes on one core (two servers left
+unpinned fight over both cores; the benchmark pins every process of an instance, not only its
+compute threads), logs to a file, and is stopped by its own process group's id."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ class Instance:
     env: dict = field(default_factory=dict)
     log_path: Path | None = None
     process: subprocess.Popen | None = None
+    # Pin the API server and engine core too, not only the worker's compute threads. The benchmark
+    # needs it: a D whose requests wait for KV steps without pause (vLLM's engine loop polls its
+    # connector), and unpinned, that polling runs on P's core and slows P's prefill many times over
+    # (push at 0.25 req/s collapsed here). On real hardware P and D share no cores at all.
+    pin_every_process: bool = False
 
     @property
     def url(self) -> str:
@@ -47,8 +53,10 @@ class Instance:
     def start(self) -> "Instance":
         self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
+        cores = _cores(self.cpu) if self.pin_every_process else None
         self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+                                        env=env, start_new_session=True,
+                                        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self
 
     def wait_ready(self, timeout_s: float = 300) -> "Instance":
@@ -101,6 +109,15 @@ class Instance:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _cores(spec: str) -> set[int]:
+    """The cores of a VLLM_CPU_OMP_THREADS_BIND list such as "0", "0-3" or "0,2"."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu: str, secret: str,

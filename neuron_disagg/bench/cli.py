@@ -51,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20,
                    help="KV cache per instance (default 256 MiB for CPU); 0 leaves it to vLLM")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU needs a multiple of 32)")
-    p.add_argument("--vllm-args", default="", help="more `vllm serve` flags for every instance, quoted")
+    p.add_argument("--vllm-args", default="",
+                   help="more `vllm serve` flags for every instance, quoted (prefix caching is off unless "
+                        "these say --enable-prefix-caching)")
     p.add_argument("--results", type=Path, help="results directory (default ./bench-results/<time>)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured pass per mode that absorbs kernel selection and NIXL handshakes")
@@ -64,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--prompts, --output-len and --tp must be at least 1")
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
     model = args.model or str(tiny_model.build())
-    extra = tuple(shlex.split(args.vllm_args)) + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ())
+    # Prefix caching off: every point sends the same seeded prompts as the warm-up and the points
+    # before it (and push and pull share one P and D), so with it on, all but the first pass
+    # measured cache hits — one computed token instead of a prefill — in every mode alike.
+    extra = (("--no-enable-prefix-caching", *shlex.split(args.vllm_args))
+             + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ()))
     if args.max_model_len < max(args.input_lens) + args.output_len:
         parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
     server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra)
@@ -85,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.update(task, description=f"starting {' + '.join(group)}")
             try:
                 with started(group, server) as topo:
+                    meta.setdefault("reniced_spinning_threads", {}).update(topo.reniced)
+                    if any(topo.reniced.values()):
+                        console.print(f"{' + '.join(group)}: reniced threads spinning while idle: {topo.reniced}")
                     results += _measure(group, topo, loads, model, raw_dir, not args.no_warmup, progress, task)
             except (RuntimeError, TimeoutError) as exc:  # one topology failing to start: the rest still run
                 console.print(f"[red]{' + '.join(group)} did not start:[/] {exc}")

@@ -15,11 +15,12 @@ from __future__ import annotations
 import secrets
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
                              router)
+from .spinners import renice_idle_spinners
 
 MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull")
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
@@ -47,6 +48,7 @@ class Running:
     prefill: Instance | None = None
     decode: Instance | None = None
     timeline_dir: str | None = None  # set for our connector only: vLLM's marks no timeline
+    reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
 
 
 def groups(modes: list[str]) -> list[tuple[str, ...]]:
@@ -69,9 +71,12 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
     try:
         backends = [i for i in running.instances if i.name != "router"]
         for instance in backends:
+            instance.pin_every_process = True  # P's core is P's alone (see Instance)
             launched.append(instance.start())
         for instance in backends:
             instance.wait_ready(ready_timeout_s)
+        for instance in backends:  # idle now: what burns a core here would take its model's core
+            running.reniced[instance.name] = len(renice_idle_spinners(instance.process.pid))
         for instance in running.instances:
             if instance.name == "router":
                 launched.append(instance.start())

@@ -1,0 +1,64 @@
+"""The benchmark's rule for background threads that burn a core while their instance is idle:
+measured on a real process group, only such threads are reniced — never a main thread, never a
+thread that sleeps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from neuron_disagg.bench.spinners import renice_idle_spinners
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+
+CHILD = textwrap.dedent("""
+    import sys, threading, time
+    def spin():
+        while True:
+            pass
+    def doze():
+        while True:
+            time.sleep(0.05)
+    background = sys.argv[1] == "background"  # else the main thread is the one that spins
+    spinner = threading.Thread(target=spin if background else doze, daemon=True)
+    dozer = threading.Thread(target=doze, daemon=True)
+    spinner.start(); dozer.start()
+    print(spinner.native_id, dozer.native_id, flush=True)
+    if background:
+        time.sleep(60)
+    else:
+        spin()
+""")
+
+
+def _nice(pid: int, tid: int) -> int:
+    return int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.parametrize("who", ["background", "main"])
+def test_only_a_spinning_background_thread_is_reniced(who):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, who], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        spinner, dozer = map(int, child.stdout.readline().split())
+        reniced = renice_idle_spinners(child.pid, window_s=1.0)
+        assert reniced == ([spinner] if who == "background" else [])  # a main thread is the model's
+        assert _nice(child.pid, spinner) == (19 if who == "background" else 0)
+        assert _nice(child.pid, dozer) == 0
+        assert _nice(child.pid, child.pid) == 0
+    finally:
+        os.killpg(child.pid, 9)
+        child.wait(10)
+
+
+def test_a_group_that_is_gone_renices_nothing():
+    child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    child.wait(10)
+    time.sleep(0.1)
+    assert renice_idle_spinners(child.pid, window_s=0.1) == []
