@@ -92,27 +92,40 @@ def measure_plan(reps: int) -> dict:
     return out
 
 
+class ScatteredLoopback:
+    """Two NIXL agents in this process (UCX, DRAM, progress thread off) and prepared lists of
+    ``count`` descriptors of ``desc_bytes`` each, one in every other slot so that nothing merges:
+    the per-descriptor worst case, with no network in the way. Also used by benchmarks/gil.py."""
+
+    def __init__(self, count: int, desc_bytes: int, initiator: str, target: str):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.count, self.desc_bytes, self.target_name = count, desc_bytes, target
+        cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.initiator, self.target = nixl_agent(initiator, cfg), nixl_agent(target, cfg)
+        self.src = np.zeros(2 * count * desc_bytes, np.uint8)
+        self.dst = np.ones(2 * count * desc_bytes, np.uint8)
+        self.initiator.register_memory(np.array([[self.src.ctypes.data, self.src.nbytes, 0]], np.uint64), "DRAM")
+        self.target.register_memory(np.array([[self.dst.ctypes.data, self.dst.nbytes, 0]], np.uint64), "DRAM")
+        self.initiator.add_remote_agent(self.target.get_agent_metadata())
+        self.local = self.initiator.prep_xfer_dlist("NIXL_INIT_AGENT", self.rows(self.src.ctypes.data), "DRAM")
+        self.remote = self.prep_remote()
+
+    def rows(self, base: int) -> np.ndarray:
+        n = self.count
+        addrs = base + np.arange(n, dtype=np.uint64) * np.uint64(2 * self.desc_bytes)
+        return np.stack([addrs, np.full(n, self.desc_bytes, np.uint64), np.zeros(n, np.uint64)], axis=1)
+
+    def prep_remote(self):
+        return self.initiator.prep_xfer_dlist(self.target_name, self.rows(self.dst.ctypes.data), "DRAM")
+
+
 def measure_nixl(reps: int) -> dict:
     """Per-descriptor cost of the reference pull path's preparation and posting, UCX loopback."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
     desc_bytes, counts = 64, (1_024, 16_384, 131_072)
     n_max = max(counts)
-    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-    a, b = nixl_agent("cal-d", cfg), nixl_agent("cal-p", cfg)
-    # Every other 64-byte slot: adjacent descriptors are never back to back, so nothing merges.
-    src = np.zeros(2 * n_max * desc_bytes, np.uint8)
-    dst = np.ones(2 * n_max * desc_bytes, np.uint8)
-    a.register_memory(np.array([[src.ctypes.data, src.nbytes, 0]], np.uint64), "DRAM")
-    b.register_memory(np.array([[dst.ctypes.data, dst.nbytes, 0]], np.uint64), "DRAM")
-    a.add_remote_agent(b.get_agent_metadata())
-
-    def rows(base: int) -> np.ndarray:
-        addrs = base + np.arange(n_max, dtype=np.uint64) * np.uint64(2 * desc_bytes)
-        return np.stack([addrs, np.full(n_max, desc_bytes, np.uint64), np.zeros(n_max, np.uint64)], axis=1)
-
-    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", rows(src.ctypes.data), "DRAM")
-    remote = a.prep_xfer_dlist("cal-p", rows(dst.ctypes.data), "DRAM")
+    loop = ScatteredLoopback(n_max, desc_bytes, "cal-d", "cal-p")
+    a, b, local, remote = loop.initiator, loop.target, loop.local, loop.remote
     rng = np.random.default_rng(1)
     result = {"desc_bytes": desc_bytes, "points": []}
     for n in counts:
