@@ -53,10 +53,10 @@ class Instance:
     def start(self) -> "Instance":
         self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
-        cores = _cores(self.cpu) if self.pin_every_process else None
         self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True,
-                                        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+                                        env=env, start_new_session=True)
+        if self.pin_every_process:  # set right away: the server imports for seconds before its first child
+            os.sched_setaffinity(self.process.pid, _cores(self.cpu))
         return self
 
     def wait_ready(self, timeout_s: float = 300) -> "Instance":
