@@ -80,28 +80,26 @@ def main() -> None:
         for i in range(3_000_000):
             total += i
 
-    calls = [("sleep 0.1 s (releases the GIL)", lambda: time.sleep(0.1)),
-             ("pure Python loop", python_work),
-             ("prep_xfer_dlist, 131,072 rows", loop.prep_remote),
-             ("make_prepped_xfer, 131,072 descriptors", make),
-             ("transfer + check until DONE", post)]
+    # (name, what to prepare unmeasured, the call measured); every handle is released after each
+    calls = [("sleep 0.1 s (releases the GIL)", None, lambda: time.sleep(0.1)),
+             ("pure Python loop", None, python_work),
+             ("prep_xfer_dlist, 131,072 rows", None, loop.prep_remote),
+             ("make_prepped_xfer, 131,072 descriptors", None, make),
+             ("transfer + check until DONE", make, post)]
     print(f"nixl UCX loopback, {COUNT:,} descriptors of {DESC_BYTES} B; switch interval "
           f"{sys.getswitchinterval() * 1e3:.0f} ms; medians of {args.reps}")
     print(f"{'call':42} {'call ms':>9} {'longest stall ms':>17} {'stall / call':>13}")
-    for name, call in calls:
+    for name, prepare, call in calls:
         results = []
         for _ in range(args.reps):
-            if name.startswith("transfer"):
-                make()
+            if prepare:
+                prepare()
             results.append(stall_during(call))
-            while len(handles) > 1 or (handles and name.startswith("transfer")):
+            while handles:
                 a.release_xfer_handle(handles.pop())
         dur = statistics.median(r[0] for r in results)
         stall = statistics.median(r[1] for r in results)
         print(f"{name:42} {dur * 1e3:9.1f} {stall * 1e3:17.1f} {stall / dur:13.2f}")
-    for h in handles:
-        a.release_xfer_handle(h)
-
 
 if __name__ == "__main__":
     main()
