@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from neuron_disagg.platforms.kv_layout import regions_from_kv_caches
-from neuron_disagg.transfer.staging import HostStaging, kv_views
+from neuron_disagg.platforms import kv_layout
+from neuron_disagg.transfer.staging import HostStaging
 
 LAYERS, BLOCKS, REQUEST_BLOCKS = 64, 2100, 1024
 
@@ -34,14 +34,16 @@ def main() -> None:
     device = torch.device(parser.parse_args().device)
     caches = {f"layers.{layer}": torch.zeros(2, BLOCKS, 16, 1, 128, dtype=torch.bfloat16, device=device)
               for layer in range(LAYERS)}
-    staging = HostStaging(kv_views(caches), regions_from_kv_caches(caches, 0), REQUEST_BLOCKS)
+    planes = (kv_layout.KV, kv_layout.BLOCKS, kv_layout.TOKENS, kv_layout.HEADS, kv_layout.HEAD)
+    described = kv_layout.described_kv_caches(caches, dict.fromkeys(caches, planes), kv_layout.KVGeometry(16))
+    staging = HostStaging(kv_layout.staging_rows(described), [region for region, _ in described], REQUEST_BLOCKS)
     gib = LAYERS * 2 * REQUEST_BLOCKS * 4096 / 2**30
     host = torch.empty(LAYERS * 2 * REQUEST_BLOCKS * 4096, dtype=torch.uint8)
 
     def plain() -> None:
         offset = 0
-        for view in kv_views(caches):
-            rows = view[:REQUEST_BLOCKS].cpu().contiguous().view(torch.uint8).reshape(-1)
+        for view in kv_layout.staging_rows(described):
+            rows = view[:REQUEST_BLOCKS].cpu().contiguous().view(-1)
             host[offset:offset + rows.numel()].copy_(rows)
             offset += rows.numel()
 

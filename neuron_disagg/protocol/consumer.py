@@ -20,7 +20,7 @@ import msgspec
 from .actions import Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage
 from .machine import Entry, Rule, StateMachine, Step
 from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
-from .plan import peer_ranks
+from .plan import writer_ranks
 
 
 class DState(enum.Enum):
@@ -131,9 +131,11 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
     EXPIRED, SUPERSEDED = DEvent.EXPIRED, DEvent.SUPERSEDED
 
     def __init__(self, side_channel: str, tp_rank: int = 0, tp_size: int = 1,
-                 timeouts: ConsumerTimeouts = ConsumerTimeouts(), strict: bool = False):
+                 timeouts: ConsumerTimeouts = ConsumerTimeouts(), strict: bool = False,
+                 total_heads: int | None = None):
         super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
         self.side_channel = side_channel  # where P answers us (host:port)
+        self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeouts = timeouts
 
@@ -214,7 +216,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         elif effect is F.SEND_REGISTRATION:
             reg = msgspec.structs.replace(step.payload, expires_at=step.now + t.watchdog_s)
             entry.registration, entry.deadline = reg, reg.expires_at
-            entry.owed_by = set(peer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size))
+            entry.owed_by = set(writer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size, self.total_heads))
             # Only to the P ranks holding our heads: a P rank plans with the D ranks it writes to,
             # and another D rank's registration there would be missing ours.
             step.actions.append(SendMessage(entry.p_side_channel, tuple(sorted(entry.owed_by)), reg))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .messages import Region
+from .plan import rank_heads
 
 
 @dataclass(frozen=True)
@@ -26,19 +27,22 @@ QWEN3_32B = ModelShape(num_layers=64, num_kv_heads=8, head_dim=128, dtype_bytes=
 
 def rank_regions(shape: ModelShape, num_blocks: int, tp_rank: int = 0, tp_size: int = 1,
                  base_addr: int = 0, layout: str = "HND", device_id: int = 0) -> tuple[Region, ...]:
-    """One block-major region per layer and K/V, packed back to back from ``base_addr``."""
-    if shape.num_kv_heads % tp_size:
-        raise ValueError(f"{shape.num_kv_heads} KV heads do not split evenly over TP {tp_size}")
-    heads = shape.num_kv_heads // tp_size
-    block_bytes = heads * shape.block_tokens * shape.head_dim * shape.dtype_bytes
+    """One block-major region per layer and K/V, packed back to back from ``base_addr``; inside a
+    block heads then tokens (``HND``) or tokens then heads (``NHD``). With fewer KV heads than
+    ranks each head is replicated, as vLLM does."""
+    first_head, heads = rank_heads(tp_rank, tp_size, shape.num_kv_heads)
+    head_bytes = shape.head_dim * shape.dtype_bytes
+    block_bytes = heads * shape.block_tokens * head_bytes
+    head_stride, token_stride = ((shape.block_tokens * head_bytes, head_bytes) if layout == "HND"
+                                 else (head_bytes, heads * head_bytes))
     regions, addr = [], base_addr
     for layer in range(shape.num_layers):
         for kv in "kv":
             regions.append(Region(
                 name=f"layers.{layer}.{kv}", base_addr=addr, block_stride_bytes=block_bytes,
-                num_blocks=num_blocks, heads=heads, first_head=tp_rank * heads,
-                head_bytes=shape.head_dim * shape.dtype_bytes, block_tokens=shape.block_tokens,
-                layout=layout, device_id=device_id))
+                num_blocks=num_blocks, heads=heads, first_head=first_head, head_bytes=head_bytes,
+                block_tokens=shape.block_tokens, head_stride_bytes=head_stride,
+                token_stride_bytes=token_stride, device_id=device_id))
             addr += block_bytes * num_blocks
     return tuple(regions)
 
@@ -46,4 +50,4 @@ def rank_regions(shape: ModelShape, num_blocks: int, tp_rank: int = 0, tp_size: 
 def regions_bytes(regions: tuple[Region, ...]) -> int:
     """Bytes from the lowest region start to the highest region end."""
     lo = min(r.base_addr for r in regions)
-    return max(r.base_addr + r.block_stride_bytes * r.num_blocks for r in regions) - lo
+    return max(r.base_addr + r.extent_bytes for r in regions) - lo

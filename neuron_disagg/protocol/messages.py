@@ -11,7 +11,7 @@ Encoding, signing and the checks on decode live in ``wire.py``.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Union
 
 import msgspec
 
@@ -34,27 +34,58 @@ class TransferId(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Region(msgspec.Struct, frozen=True):
-    """One block-major KV region on one rank: one layer's K or V.
+    """One KV region on one rank: one layer's K, V, or K and V together, as the attention backend
+    laid it out in memory.
 
-    Block ``b`` lives at ``base_addr + b * block_stride_bytes``. Inside a block the layout is
-    ``HND`` (heads, tokens, head bytes) or ``NHD`` (tokens, heads, head bytes); a rank holds heads
-    ``first_head .. first_head + heads - 1`` of the model's KV heads.
+    The unit that moves is a chunk of ``head_bytes``: one head of one token (K, V, or both, as the
+    backend packs them). Scheduler block ``b``, head ``h`` (counted from ``first_head``), token ``t``
+    lives at ``base_addr + b * block_stride_bytes + (t // k) * kernel_stride_bytes +
+    (t % k) * token_stride_bytes + h * head_stride_bytes``, where ``k = kernel_block_tokens`` when the
+    backend splits a scheduler block into kernel blocks of ``k`` tokens, else ``block_tokens``. The
+    strides are read off the tensor, so any physical order (head-major, token-major, layers or heads
+    outside blocks) is described exactly. A rank holds heads ``first_head .. first_head + heads - 1``
+    of the model's KV heads (the same heads on several ranks when heads are replicated).
     """
 
-    name: str  # e.g. "layers.3.k": both sides must use the same names
+    name: str  # e.g. "model.layers.3.self_attn.attn" or "...attn.k": both sides must use the same names
     base_addr: int
     block_stride_bytes: int
     num_blocks: int
     heads: int
     first_head: int
-    head_bytes: int  # bytes of one head of one token (head_dim * dtype size)
+    head_bytes: int  # bytes of one head of one token: one contiguous chunk
     block_tokens: int
-    layout: Literal["HND", "NHD"] = "HND"
+    head_stride_bytes: int
+    token_stride_bytes: int
+    kernel_block_tokens: int = 0  # 0: no kernel split
+    kernel_stride_bytes: int = 0
     device_id: int = 0
 
     @property
+    def kernel_tokens(self) -> int:
+        return self.kernel_block_tokens or self.block_tokens
+
+    @property
+    def kernels_per_block(self) -> int:
+        return self.block_tokens // self.kernel_tokens
+
+    @property
+    def layout(self) -> str:
+        """The order inside a block, for messages and compatibility checks: head-major or not."""
+        return "HND" if self.heads == 1 or self.head_stride_bytes > self.token_stride_bytes else "NHD"
+
+    @property
     def block_bytes(self) -> int:
+        """Payload bytes of one block (what moves per block)."""
         return self.heads * self.block_tokens * self.head_bytes
+
+    @property
+    def extent_bytes(self) -> int:
+        """From ``base_addr`` to the end of the last byte any block of this region holds."""
+        return ((self.num_blocks - 1) * self.block_stride_bytes
+                + (self.kernels_per_block - 1) * self.kernel_stride_bytes
+                + (self.heads - 1) * self.head_stride_bytes
+                + (self.kernel_tokens - 1) * self.token_stride_bytes + self.head_bytes)
 
 
 class RankRegions(msgspec.Struct, frozen=True):

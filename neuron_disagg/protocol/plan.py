@@ -21,7 +21,8 @@ _U64 = np.uint64
 
 
 def peer_ranks(my_rank: int, my_tp: int, peer_tp: int) -> tuple[int, ...]:
-    """Ranks of a peer instance (TP size ``peer_tp``) whose heads overlap rank ``my_rank``'s."""
+    """Ranks of a peer instance (TP size ``peer_tp``) whose share of the heads overlaps rank
+    ``my_rank``'s (each rank holds an equal share; replicated heads are shares of one head)."""
     if not (0 <= my_rank < my_tp) or peer_tp < 1:
         raise PlanError(f"rank {my_rank} is outside TP size {my_tp} (peer TP {peer_tp})")
     # In units of 1/(my_tp*peer_tp) of the heads: mine span [my_rank*peer_tp, (my_rank+1)*peer_tp),
@@ -29,6 +30,42 @@ def peer_ranks(my_rank: int, my_tp: int, peer_tp: int) -> tuple[int, ...]:
     lo, hi = my_rank * peer_tp, (my_rank + 1) * peer_tp
     first, last = lo // my_tp, -(-hi // my_tp) - 1
     return tuple(range(first, last + 1))
+
+
+def rank_heads(rank: int, tp: int, total_heads: int) -> tuple[int, int]:
+    """(first head, heads) that rank ``rank`` of ``tp`` holds, as vLLM splits KV heads: evenly, and
+    with fewer heads than ranks each head on ``tp // total_heads`` consecutive ranks."""
+    if total_heads < 1 or tp < 1 or (total_heads % tp and tp % total_heads):
+        raise PlanError(f"{total_heads} KV heads cannot be split over TP {tp}: one must divide the other")
+    if total_heads >= tp:
+        per_rank = total_heads // tp
+        return rank * per_rank, per_rank
+    return rank * total_heads // tp, 1
+
+
+def writer_ranks(d_rank: int, d_tp: int, p_tp: int, total_heads: int | None = None) -> tuple[int, ...]:
+    """The P ranks that write into D rank ``d_rank``: every head it holds from exactly one P rank.
+    Of P ranks holding the same replicated head, the first whose share overlaps D's writes, so the
+    load spreads over P's ranks as vLLM's own connector spreads its reads. ``total_heads`` None:
+    no replication (every P rank overlapping D's share holds heads of its own)."""
+    candidates = peer_ranks(d_rank, d_tp, p_tp)
+    if total_heads is None:
+        return candidates
+    first, count = rank_heads(d_rank, d_tp, total_heads)
+    wanted, chosen = set(range(first, first + count)), []
+    for p in candidates:
+        p_first, p_count = rank_heads(p, p_tp, total_heads)
+        mine = wanted & set(range(p_first, p_first + p_count))
+        if mine:
+            chosen.append(p)
+            wanted -= mine
+    return tuple(chosen)
+
+
+def target_ranks(p_rank: int, p_tp: int, d_tp: int, total_heads: int | None = None) -> tuple[int, ...]:
+    """The D ranks P rank ``p_rank`` writes into (the inverse of ``writer_ranks``)."""
+    return tuple(d for d in peer_ranks(p_rank, p_tp, d_tp)
+                 if p_rank in writer_ranks(d, d_tp, p_tp, total_heads))
 
 
 @dataclass(frozen=True)
@@ -72,23 +109,24 @@ class WritePlan:
 
 
 def _check_compatible(src: Region, dst: Region) -> None:
-    for attr in ("head_bytes", "block_tokens", "layout"):
+    # Chunks move one (head, token) at a time wherever each side keeps them, so the two sides may
+    # order a block differently (a P with token-major and a D with head-major KV plan correctly).
+    for attr in ("head_bytes", "block_tokens"):
         if getattr(src, attr) != getattr(dst, attr):
             raise PlanError(
                 f"region {src.name}: {attr} differs between prefill ({getattr(src, attr)}) and "
                 f"decode ({getattr(dst, attr)}); both must serve the same model with the same "
-                "block size and KV layout"
+                "block size and attention backend"
             )
 
 
 def _check_region(region: Region, side: str) -> None:
     if region.heads < 1 or region.head_bytes < 1 or region.block_tokens < 1:
         raise PlanError(f"{side} region {region.name} declares an empty block")
-    if region.block_stride_bytes < region.block_bytes:
-        raise PlanError(
-            f"{side} region {region.name}: block stride {region.block_stride_bytes} is smaller "
-            f"than a block ({region.block_bytes} bytes)"
-        )
+    if region.block_tokens % region.kernel_tokens or min(
+            region.block_stride_bytes, region.head_stride_bytes, region.token_stride_bytes,
+            region.kernel_stride_bytes) < 0:
+        raise PlanError(f"{side} region {region.name} declares an impossible block geometry")
     if region.base_addr < 0 or region.num_blocks < 1:
         raise PlanError(f"{side} region {region.name} has no memory")
 
@@ -102,19 +140,34 @@ def _check_blocks(bounds: tuple[int, int], region: Region, side: str) -> None:
         )
 
 
-def _head_spans(src: Region, dst: Region):
-    """Per-block (src offsets, dst offsets, span length) of the heads both regions hold, or None."""
+def _chunk_offsets(region: Region, heads: np.ndarray) -> np.ndarray:
+    """Offsets inside a block of every (head, token) chunk of ``heads``, head by head."""
+    t = np.arange(region.block_tokens, dtype=_U64)
+    k = _U64(region.kernel_tokens)
+    token = (t // k) * _U64(region.kernel_stride_bytes) + (t % k) * _U64(region.token_stride_bytes)
+    return ((heads - region.first_head).astype(_U64)[:, None] * _U64(region.head_stride_bytes)
+            + token[None, :]).ravel()
+
+
+def _block_pattern(src: Region, dst: Region):
+    """(src offsets, dst offsets, lengths) inside one block of the heads both regions hold, merged
+    where both sides continue; None when they share no head. Computed once per pair of block
+    geometries, then laid over every block of the request."""
     h0 = max(src.first_head, dst.first_head)
     h1 = min(src.first_head + src.heads, dst.first_head + dst.heads)
     if h0 >= h1:
         return None
-    hb, tokens = src.head_bytes, src.block_tokens
-    if src.layout == "HND":  # the overlapping heads of a block are one contiguous span
-        return ((((h0 - src.first_head) * tokens * hb),), (((h0 - dst.first_head) * tokens * hb),),
-                (h1 - h0) * tokens * hb)
-    t = range(tokens)  # NHD: one span per token
-    return (tuple(i * src.heads * hb + (h0 - src.first_head) * hb for i in t),
-            tuple(i * dst.heads * hb + (h0 - dst.first_head) * hb for i in t), (h1 - h0) * hb)
+    heads = np.arange(h0, h1, dtype=np.int64)
+    s, d = _chunk_offsets(src, heads), _chunk_offsets(dst, heads)
+    order = np.argsort(s, kind="stable")
+    return merge_runs(s[order], d[order], np.full(len(s), src.head_bytes, dtype=_U64))
+
+
+def _geometry(region: Region) -> tuple:
+    """Everything but where a region lies and what it is called: regions that share it share plans."""
+    return (region.block_stride_bytes, region.heads, region.first_head, region.head_bytes, region.block_tokens,
+            region.head_stride_bytes, region.token_stride_bytes, region.kernel_block_tokens,
+            region.kernel_stride_bytes)
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
@@ -145,6 +198,7 @@ def plan_rank_write(
             f"(e.g. {missing}); both must serve the same model"
         )
     groups: dict[tuple, list[tuple[Region, Region]]] = {}
+    patterns: dict[tuple, tuple] = {}
     src_bounds = (int(src_blocks.min()), int(src_blocks.max())) if len(src_blocks) else (0, -1)
     dst_bounds = (int(dst_blocks.min()), int(dst_blocks.max())) if len(dst_blocks) else (0, -1)
     for src in local:
@@ -153,26 +207,29 @@ def plan_rank_write(
         _check_compatible(src, dst)
         _check_blocks(src_bounds, src, "prefill")
         _check_blocks(dst_bounds, dst, "decode")
-        spans = _head_spans(src, dst)
-        if spans is not None:
-            key = (src.block_stride_bytes, dst.block_stride_bytes, spans)
+        key = (_geometry(src), _geometry(dst))
+        if key not in patterns:
+            patterns[key] = _block_pattern(src, dst)
+        if patterns[key] is not None:
             groups.setdefault(key, []).append((src, dst))
     if not groups:
         raise PlanError(f"decode rank {remote.tp_rank} shares no KV heads with this prefill rank")
     parts, unmerged = [], 0
-    for (src_stride, dst_stride, (src_off, dst_off, span)), pairs in groups.items():
+    for key, pairs in groups.items():
+        src_stride, dst_stride = key[0][0], key[1][0]
+        pat_src, pat_dst, pat_len = patterns[key]
         # Contiguity does not depend on a region's base address, so runs are found once on the
         # offsets within a region and then placed at every region's base.
-        rel_src = ((src_blocks.astype(_U64) * _U64(src_stride))[:, None] + np.array(src_off, dtype=_U64)).ravel()
-        rel_dst = ((dst_blocks.astype(_U64) * _U64(dst_stride))[:, None] + np.array(dst_off, dtype=_U64)).ravel()
-        run = np.full(len(rel_src), span, dtype=_U64)
+        rel_src = ((src_blocks.astype(_U64) * _U64(src_stride))[:, None] + pat_src[None, :]).ravel()
+        rel_dst = ((dst_blocks.astype(_U64) * _U64(dst_stride))[:, None] + pat_dst[None, :]).ravel()
+        run = np.tile(pat_len, len(src_blocks))
         if merge:
             rel_src, rel_dst, run = merge_runs(rel_src, rel_dst, run)
         src_base = np.array([p[0].base_addr for p in pairs], dtype=_U64)[:, None]
         dst_base = np.array([p[1].base_addr for p in pairs], dtype=_U64)[:, None]
         s, d = (src_base + rel_src).ravel(), (dst_base + rel_dst).ravel()
         n = np.tile(run, len(pairs))
-        unmerged += len(pairs) * len(src_blocks) * len(src_off)
+        unmerged += len(pairs) * len(src_blocks) * len(pat_len)
         parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1)))
     s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts))
     return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged)
@@ -196,10 +253,12 @@ def plan_write(
     registration: Registration,
     src_block_ids: Sequence[int],
     merge: bool = True,
+    total_heads: int | None = None,
 ) -> WritePlan:
     """Everything P's rank ``p_rank`` must write for ``registration``. Raises PlanError if the
     registration is inconsistent with our geometry or block list — before any byte moves.
-    ``merge=False`` keeps one descriptor per block and span: only for measuring what merging saves."""
+    ``merge=False`` keeps one descriptor per block and span: only for measuring what merging saves.
+    ``total_heads``: the model's KV heads, when ranks may hold replicas (see ``writer_ranks``)."""
     first = registration.first_block_index
     dst_blocks = np.asarray(registration.block_ids, dtype=np.int64)
     if first < 0 or first + len(dst_blocks) != len(src_block_ids):
@@ -212,7 +271,7 @@ def plan_write(
     src_blocks = np.asarray(src_block_ids[first:], dtype=np.int64)
     ranks = {r.tp_rank: r for r in registration.ranks}
     writes = []
-    for d_rank in peer_ranks(p_rank, p_tp_size, registration.d_tp_size):
+    for d_rank in target_ranks(p_rank, p_tp_size, registration.d_tp_size, total_heads):
         if d_rank not in ranks:
             raise PlanError(f"registration lacks decode rank {d_rank} of {registration.d_tp_size}")
         if len(dst_blocks) == 0:

@@ -30,7 +30,7 @@ from .messages import (
     WriteDone,
     WriteFailed,
 )
-from .plan import peer_ranks, plan_write
+from .plan import plan_write, target_ranks
 
 
 class PState(enum.Enum):
@@ -165,9 +165,10 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
 
     def __init__(self, regions: tuple[Region, ...], tp_rank: int = 0, tp_size: int = 1,
                  timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False,
-                 merge_descriptors: bool = True):
+                 merge_descriptors: bool = True, total_heads: int | None = None):
         super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
         self.regions = regions
+        self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
         self.merge_descriptors = merge_descriptors  # False only to measure what merging saves
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeouts = timeouts
@@ -197,7 +198,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         """With more D ranks than P ranks, each D rank registers its own regions with the P ranks
         holding its heads: wait until every D rank this rank writes to has registered, then go on
         as if one registration named them all (the earliest expiry holds)."""
-        needed = set(peer_ranks(self.tp_rank, self.tp_size, registration.d_tp_size))
+        needed = set(target_ranks(self.tp_rank, self.tp_size, registration.d_tp_size, self.total_heads))
         if len(needed) == 1:
             return registration
         first = entry.partial[0] if entry.partial else registration
@@ -308,13 +309,14 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             self._drop("notify:no_peer")
             return
         d_tp = step.payload.d_tp_size if isinstance(step.payload, (Registration, Cancel)) else entry.d_tp_size
-        step.actions.append(SendMessage(peer, peer_ranks(self.tp_rank, self.tp_size, d_tp), message))
+        step.actions.append(SendMessage(peer, target_ranks(self.tp_rank, self.tp_size, d_tp, self.total_heads),
+                                        message))
 
     def _submit(self, entry: ProducerTransfer, step: Step) -> None:
         reg = entry.registration
         try:
             plan = plan_write(self.regions, self.tp_rank, self.tp_size, reg, entry.block_ids,
-                              self.merge_descriptors)
+                              self.merge_descriptors, self.total_heads)
         except PlanError as exc:
             self.counters["registration_rejected"] += 1
             step.payload = None

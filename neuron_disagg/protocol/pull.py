@@ -19,7 +19,7 @@ from .actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage
 from .errors import PlanError
 from .machine import Entry, Rule, StateMachine, Step
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
-from .plan import WritePlan, peer_ranks, plan_rank_write
+from .plan import WritePlan, plan_rank_write, target_ranks, writer_ranks
 
 
 # -- P: the lender ---------------------------------------------------------------------------------------
@@ -78,10 +78,11 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
     EXPIRED, SUPERSEDED = LEvent.EXPIRED, LEvent.SUPERSEDED
 
     def __init__(self, tp_rank: int, tp_size: int, max_read_s: float, clock_skew_allowance_s: float,
-                 tombstone_s: float = 600.0, strict: bool = False):
+                 tombstone_s: float = 600.0, strict: bool = False, total_heads: int | None = None):
         super().__init__(tombstone_s=tombstone_s, strict=strict)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.max_read_s, self.skew_s = max_read_s, clock_skew_allowance_s
+        self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> Loan:
         return Loan(transfer_id, LState.NEW, now)
@@ -100,7 +101,7 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
             self._drop(f"{name}:{'unknown' if entry is None else entry.state.value}")
             return step.actions
         if entry.owed_by is None:
-            entry.owed_by = set(peer_ranks(self.tp_rank, self.tp_size, message.d_tp_size))
+            entry.owed_by = set(target_ranks(self.tp_rank, self.tp_size, message.d_tp_size, self.total_heads))
             entry.d_tp_size = message.d_tp_size
         if message.d_rank not in entry.owed_by or message.d_tp_size != entry.d_tp_size:
             self._drop(f"{name}:not_owed")
@@ -228,9 +229,10 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     EXPIRED, SUPERSEDED = REvent.EXPIRED, REvent.SUPERSEDED
 
     def __init__(self, tp_rank: int, tp_size: int, max_read_s: float, tombstone_s: float = 600.0,
-                 strict: bool = False):
+                 strict: bool = False, total_heads: int | None = None):
         super().__init__(tombstone_s=tombstone_s, strict=strict)
         self.tp_rank, self.tp_size, self.max_read_s = tp_rank, tp_size, max_read_s
+        self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> Read:
         return Read(transfer_id, RState.NEW, now)
@@ -273,6 +275,10 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         self._fire(entry, event, step)
         return step.actions
 
+    def _sources(self, offer: PullOffer) -> tuple[int, ...]:
+        """The P ranks this rank reads from: each of its heads from one of them."""
+        return writer_ranks(self.tp_rank, self.tp_size, offer.p_tp_size, self.total_heads)
+
     def _plans(self, entry: Read) -> dict[int, WritePlan]:
         offer, local = entry.offer, entry.local
         first, dst = entry.first_block_index, np.asarray(entry.block_ids, dtype=np.int64)
@@ -282,7 +288,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         src = np.asarray(offer.block_ids[first:], dtype=np.int64)
         p_ranks = {r.tp_rank: r for r in offer.ranks}
         plans = {}
-        for p_rank in peer_ranks(self.tp_rank, self.tp_size, offer.p_tp_size):
+        for p_rank in self._sources(offer):
             if p_rank not in p_ranks:
                 raise PlanError(f"the offer lacks prefill rank {p_rank} of {offer.p_tp_size}")
             if len(dst):
@@ -314,7 +320,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         elif effect is REffect.TELL_P_FAILED:
             offer = entry.offer
             step.actions.append(SendMessage(
-                offer.p_side_channel, peer_ranks(self.tp_rank, self.tp_size, offer.p_tp_size),
+                offer.p_side_channel, self._sources(offer),
                 ReadFailed(tid, self.tp_rank, self.tp_size, step.reason or entry.reason or "decode gave up")))
         elif effect is REffect.FINISH_LOAD:
             step.actions.append(FinishLoad(tid))

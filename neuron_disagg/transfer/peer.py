@@ -47,7 +47,7 @@ from .peers import Peers
 from .pull import PullLender, PullReader
 from .receiver import PushReceiver
 from .side_channel import SideChannelClient, SideChannelServer
-from .transport import InMemoryTransport, NixlTransport
+from .transport import InMemoryTransport, NixlTransport, region_spans
 from .writer import PushWriter
 
 EVENTS = sys.stdout
@@ -128,7 +128,7 @@ class Peer:
     def on_message(self, message):
         if isinstance(message, AgentInfoRequest):  # the agent as it is now: a reset renames it
             return AgentInfo(self.rank, self.transport.name, self.transport.metadata(),
-                             tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in self.regions))
+                             tuple((span.addr, span.length) for span in region_spans(self.regions)))
         wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
                   ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):

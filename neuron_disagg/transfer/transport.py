@@ -36,7 +36,18 @@ class MemorySpan:
 
 
 def region_spans(regions: Sequence[Region]) -> list[MemorySpan]:
-    return [MemorySpan(r.base_addr, r.block_stride_bytes * r.num_blocks, r.device_id) for r in regions]
+    """The memory the regions cover, as few spans as possible: regions of one buffer overlap or
+    touch (vLLM 0.29+ keeps every layer in one allocation; K and V planes interleave by block),
+    and each byte is registered once."""
+    spans: list[MemorySpan] = []
+    for r in sorted(regions, key=lambda r: (r.device_id, r.base_addr)):
+        end = r.base_addr + r.extent_bytes
+        last = spans[-1] if spans else None
+        if last is not None and last.device_id == r.device_id and r.base_addr <= last.addr + last.length:
+            spans[-1] = MemorySpan(last.addr, max(last.length, end - last.addr), r.device_id)
+        else:
+            spans.append(MemorySpan(r.base_addr, end - r.base_addr, r.device_id))
+    return spans
 
 
 def spans_cover(spans: Sequence[MemorySpan], addr: np.ndarray, length: np.ndarray) -> bool:

@@ -122,7 +122,6 @@ def test_full_prefix_hit_plans_nothing():
     (lambda r: registration(1, [1, 1, 2]), "listed one destination block twice"),
     (lambda r: registration(1, [1, 2]), "holds 3 blocks"),
     (lambda r: registration(1, [1, 2, 3], first=-1), "holds 3 blocks"),
-    (lambda r: registration(1, [1, 2, 3], layout="NHD"), "layout differs"),
     (lambda r: registration(1, [1, 2, 3], shape=ModelShape(2, 4, 8, 2, 4)), "different KV regions"),
     (lambda r: registration(1, [1, 2, 3], shape=ModelShape(3, 4, 16, 2, 4)), "head_bytes differs"),
 ])

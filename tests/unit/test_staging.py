@@ -3,14 +3,30 @@
 import pytest
 import torch
 
-from neuron_disagg.platforms.kv_layout import regions_from_kv_caches
-from neuron_disagg.transfer.staging import HostStaging, kv_views
+from neuron_disagg.platforms.kv_layout import (
+    BLOCKS, HEAD, HEADS, KV, TOKENS, VLLM_LAYER_VIEW, KVGeometry, described_kv_caches, staging_rows,
+)
+from neuron_disagg.transfer.staging import HostStaging
+
+DIMS = {"layers.0": VLLM_LAYER_VIEW, "layers.1": (KV, BLOCKS, TOKENS, HEADS, HEAD)}
 
 
 def _caches(blocks=10):
     torch.manual_seed(0)
-    return {"layers.0": torch.randn(blocks, 2, 16, 8, dtype=torch.bfloat16),       # CPU: (blocks, heads, tokens, ch)
-            "layers.1": torch.randn(2, blocks, 16, 2, 4, dtype=torch.bfloat16)}    # GPU-like: (2, blocks, tokens, heads, d)
+    return {"layers.0": torch.randn(blocks, 2, 16, 8, dtype=torch.bfloat16),       # vLLM 0.29+: (blocks, heads, tokens, ch)
+            "layers.1": torch.randn(2, blocks, 16, 2, 4, dtype=torch.bfloat16)}    # planes: (2, blocks, tokens, heads, d)
+
+
+def _described(caches):
+    return described_kv_caches(caches, DIMS, KVGeometry(block_tokens=16))
+
+
+def regions_from_kv_caches(caches, _rank):
+    return tuple(region for region, _ in _described(caches))
+
+
+def kv_views(caches):
+    return staging_rows(_described(caches))
 
 
 def test_blocks_round_trip_through_host_slots_into_other_blocks():

@@ -10,7 +10,7 @@ from neuron_disagg.protocol.wire import WIRE_VERSION
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 TID = TransferId("router-req-1", 2)
-REGION = Region("layers.0.k", 4096, 1024, 64, 2, 0, 128, 4)
+REGION = Region("layers.0.k", 4096, 1024, 64, 2, 0, 128, 4, 512, 128)
 REG = Registration(TID, "d-engine", "d-req-7", "10.0.0.2:5600", 1,
                    (RankRegions(0, "d-agent-0", (REGION,)),), (3, 4, 5), 1, 1234.5)
 MESSAGES = [REG, Heartbeat(TID, 12.0), Cancel(TID, "10.0.0.2:5600", 1, "client went away"),
