@@ -46,7 +46,7 @@ def _torch_cuda():
 class CudaPlatform(Platform):
     name = "cuda"
     memory_type = "VRAM"
-    wait_strategy = "CUDA event recorded on the current stream; the writer thread synchronizes on it"
+    wait_strategy = "CUDA event recorded on the KV device's current stream; the writer thread synchronizes on it"
     fabric_env_vars = CUDA_FABRIC_ENV
 
     def __init__(self, root: str = "/") -> None:
@@ -66,10 +66,9 @@ class CudaPlatform(Platform):
         return self._accs
 
     def wait_for_kv(self, stream: object | None = None) -> KVFence:
+        """An event on the KV device's current stream (vLLM 0.32 runs the forward on a per-thread
+        stream of its own and zeroes new blocks there): not the default device's, not stream 0."""
         cuda = _torch_cuda()
         event = cuda.Event()
-        if stream is None:
-            event.record()  # records on the current stream
-        else:
-            event.record(stream)
+        event.record(stream if stream is not None else cuda.current_stream(self.kv_device))
         return EventFence(event)

@@ -50,9 +50,11 @@ class Config(BaseModel):
     backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
     platform: Literal["auto", "neuron", "cuda", "cpu"] = "auto"
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024)
-    host_staging: Literal["auto", "always", "never"] = Field(
-        "auto", description="move KV through host memory: auto = only if NIXL cannot register the "
-        "device's memory (some Neuron runtimes); push mode only")
+    host_staging: Literal["auto", "always", "never"] | None = Field(
+        None, description="move KV through host memory: auto = only if NIXL cannot register the "
+        "device's memory, always, or never (fail at start-up). Unset: auto on Neuron (some runtimes "
+        "cannot register device memory), never elsewhere (a failed GPU registration is a fault to "
+        "see, not one to hide behind slow host copies); push mode only")
     host_staging_blocks: int | None = Field(
         None, ge=1, description="host slots per rank when staging (default: a quarter of the KV blocks)")
     timeline_dir: Path | None = Field(None, description="append per-transfer timestamps here (for the "

@@ -27,10 +27,24 @@ class Platform(ABC):
     memory_type: MemoryType
     wait_strategy: str  # one line for logs and `doctor`: how wait_for_kv fences a step
     fabric_env_vars: dict[str, str] = {}  # what the EFA provider needs on this accelerator
+    #: Whether NIXL may be unable to register this accelerator's memory (then ``host_staging``
+    #: defaults to ``auto``; elsewhere a failed registration stops the start).
+    device_registration_may_fail: bool = False
 
     def __init__(self, root: str = "/") -> None:
         self.root = root
         self._efa: list[pci.PciDevice] | None = None
+        self.kv_device: object | None = None  # the torch device the KV lives on, once registered
+
+    # -- the KV's device ------------------------------------------------------------------------------
+    def use_kv_device(self, device: object) -> None:
+        """The connector found its KV tensors on ``device``: fences follow it, and the accelerator's
+        runtime is ready for NIXL to register its memory. Called before any NIXL agent exists."""
+        self.kv_device = device
+
+    def host_staging(self, configured: str | None) -> str:
+        """The ``host_staging`` mode to run: the config's, else this platform's default."""
+        return configured or ("auto" if self.device_registration_may_fail else "never")
 
     # -- NICs ---------------------------------------------------------------------------------------
     def efa_devices(self) -> list[pci.PciDevice]:

@@ -1,8 +1,13 @@
-"""AWS Trainium (trn1, trn2): KV in device memory (NIXL VRAM), moved by LIBFABRIC over EFA.
+"""AWS Trainium (trn1, trn2, trn3): KV in device memory (NIXL VRAM), moved by LIBFABRIC over EFA.
 
-Neuron work is asynchronous: a step's KV is only known to be in HBM after XLA has flushed the
-pending graph (``mark_step``) and the device has drained its queue (``wait_device_ops``). The engine
-thread flushes; the writer thread waits, so the forward loop never blocks on the device.
+Neuron work is asynchronous: a step's KV is in HBM only once the device has run what was queued.
+The vLLM Neuron plugin (SDK 2.31+) keeps paged KV on the native ``neuron`` torch device by default;
+an XLA route (torch_xla) can still be chosen. The fence follows the device the KV tensors are on:
+- ``neuron``: an event recorded on the device's current stream where TorchNeuron has events, else
+  ``torch.neuron.synchronize()`` run by the waiting thread;
+- ``xla``: ``mark_step`` flushes the pending graph on the engine thread, ``wait_device_ops`` waits;
+- ``cpu`` (the plugin's CPU mode): nothing to wait for.
+The engine thread only records; transfer threads wait, so the forward loop never blocks on the device.
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import re
 
 from . import pci
 from .base import Platform
-from .fence import CallbackFence, KVFence, ReadyFence
+from .errors import PlatformError
+from .fence import CallbackFence, EventFence, KVFence, ReadyFence
 
 NEURON_VENDOR = "0x1d0f"
-#: PCI device id -> generation (notes/neuron-efa-aws.md).
-NEURON_DEVICE_IDS = {"0x7164": "trn1", "0x7364": "trn2", "0x7565": "trn3", "0x7566": "trn3"}
+#: PCI device id -> generation, as NIXL's topology code knows them
+#: (ai-dynamo/nixl src/utils/libfabric/libfabric_topology.cpp, isNeuronAccel).
+NEURON_DEVICE_IDS = {"0x7164": "trn1", "0x7264": "inf2", "0x7364": "trn2", "0x7564": "trn3", "0x7565": "trn3"}
 
 #: FI_EFA_ENABLE_SHM_TRANSFER=0: without it single-node disaggregation can give wrong output.
 NEURON_FABRIC_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
@@ -37,8 +44,10 @@ def _index(name: str) -> int:
 class NeuronPlatform(Platform):
     name = "neuron"
     memory_type = "VRAM"
-    wait_strategy = "XLA sync: mark_step on the engine thread, wait_device_ops on the writer thread"
+    wait_strategy = ("the KV device's queue: an event on the neuron device's stream (or "
+                     "torch.neuron.synchronize), or XLA's mark_step + wait_device_ops on the XLA route")
     fabric_env_vars = NEURON_FABRIC_ENV
+    device_registration_may_fail = True
 
     def __init__(self, root: str = "/") -> None:
         super().__init__(root)
@@ -59,12 +68,51 @@ class NeuronPlatform(Platform):
                 return NEURON_DEVICE_IDS[d.device]
         return None
 
+    def use_kv_device(self, device: object) -> None:
+        """NIXL's LIBFABRIC plugin creates its Neuron memory path only if the Neuron runtime is up
+        when the first agent starts (NIXL's own benchmark: nixlbench nixl_worker.cpp). The plugin's
+        worker starts it before allocating KV; here its queue is drained once, which needs it."""
+        super().use_kv_device(device)
+        route = _route(device)
+        if route == "neuron":
+            _torch_neuron().synchronize()
+        elif route == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.wait_device_ops()
+
     def wait_for_kv(self, stream: object | None = None) -> KVFence:
-        try:
+        route = _route(self.kv_device)
+        if route == "neuron":
+            neuron = _torch_neuron()
+            if hasattr(neuron, "Event") and hasattr(neuron, "current_stream"):
+                event = neuron.Event()
+                event.record(stream if stream is not None else neuron.current_stream(self.kv_device))
+                return EventFence(event)
+            return CallbackFence(neuron.synchronize)
+        if route == "xla":
             import torch_xla.core.xla_model as xm  # lazily: absent on every non-Neuron host
-        except ImportError:
-            # vllm-neuron builds without torch_xla execute eagerly through the Neuron runtime.
-            return ReadyFence()
-        xm.mark_step()
-        return CallbackFence(xm.wait_device_ops)
+
+            xm.mark_step()
+            return CallbackFence(xm.wait_device_ops)
+        return ReadyFence()  # the plugin's CPU mode: synchronous
+
+
+def _route(device: object | None) -> str:
+    """"neuron", "xla" or "cpu": where the KV tensors live (vLLM Neuron plugin routes)."""
+    kind = getattr(device, "type", None)
+    if kind in ("neuron", "xla", "cpu"):
+        return kind
+    raise PlatformError(f"neuron-disagg on a Neuron host found the KV cache on device {device!r}; the vLLM "
+                        "Neuron plugin keeps it on the neuron device (or xla on the XLA route)")
+
+
+def _torch_neuron():
+    import torch
+
+    neuron = getattr(torch, "neuron", None)
+    if neuron is None or not hasattr(neuron, "synchronize"):
+        raise PlatformError("the KV cache is on the neuron device but torch.neuron.synchronize is missing: "
+                            "run inside the Neuron DLAMI's vLLM environment (TorchNeuron)")
+    return neuron
 

@@ -62,7 +62,8 @@ class FakeEvent:
 def fake_torch(monkeypatch):
     """A stub ``torch`` whose ``cuda`` says a GPU is there and hands out FakeEvents."""
     FakeEvent.instances = []
-    cuda = types.SimpleNamespace(is_available=lambda: True, Event=FakeEvent)
+    cuda = types.SimpleNamespace(is_available=lambda: True, Event=FakeEvent,
+                                 current_stream=lambda device=None: f"current stream of {device}")
     torch = types.ModuleType("torch")
     torch.cuda = cuda
     monkeypatch.setitem(sys.modules, "torch", torch)

@@ -31,9 +31,11 @@ def test_explicit_cuda_with_stub(host, fake_torch):
 def test_wait_for_kv_records_an_event_the_writer_waits_on(host, fake_torch):
     root, _ = host("none")
     platform, _ = select_platform("cuda", root=root)
+    platform.use_kv_device("cuda:3")
     fence = platform.wait_for_kv()
     (event,) = FakeEvent.instances
-    assert event.recorded_on == "current" and not fence.ready() and event.synchronized == 0
+    assert event.recorded_on == "current stream of cuda:3", "on the KV device's stream, not the default one"
+    assert not fence.ready() and event.synchronized == 0
     fence.wait()  # what the writer thread does before posting the WRITE
     assert event.synchronized == 1 and fence.ready()
     platform.wait_for_kv(stream="s1")
@@ -51,26 +53,40 @@ def test_gpu_affinity_from_pci(tmp_path, fake_torch):
     assert platform.nearest_efa(0) == desc["expected_affinity"]["neuron0"]
 
 
-def test_cpu_and_neuron_fences(host, monkeypatch):
+def test_neuron_fence_follows_the_route_the_kv_lives_on(host, monkeypatch):
+    """The vLLM Neuron plugin's default route keeps KV on the native ``neuron`` device; the XLA
+    route on ``xla``; its CPU mode on ``cpu``. Each gets the fence of its own runtime."""
     import sys
+    import types
     root, _ = host("trn2")
     platform, _ = select_platform("auto", root=root)
-    monkeypatch.setitem(sys.modules, "torch_xla", None)  # not importable
-    monkeypatch.setitem(sys.modules, "torch_xla.core", None)
-    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", None)
+    assert platform.host_staging(None) == "auto"  # some Neuron runtimes cannot register device memory
+
+    platform.use_kv_device(types.SimpleNamespace(type="cpu"))
     assert isinstance(platform.wait_for_kv(), ReadyFence)
+
     calls = []
-    import types
     xm = types.SimpleNamespace(mark_step=lambda: calls.append("mark_step"),
                                wait_device_ops=lambda: calls.append("wait_device_ops"))
     core = types.SimpleNamespace(xla_model=xm)
     monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(core=core))
     monkeypatch.setitem(sys.modules, "torch_xla.core", core)
     monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", xm)
+    platform.use_kv_device(types.SimpleNamespace(type="xla"))
+    calls.clear()
     fence = platform.wait_for_kv()
     assert isinstance(fence, CallbackFence) and calls == ["mark_step"] and not fence.ready()
     fence.wait(); fence.wait()
     assert calls == ["mark_step", "wait_device_ops"] and fence.ready()
+
+
+def test_unknown_kv_device_on_a_neuron_host_is_refused(host):
+    import types
+    from neuron_disagg.platforms import PlatformError
+    root, _ = host("trn2")
+    platform, _ = select_platform("auto", root=root)
+    with pytest.raises(PlatformError, match="neuron device"):
+        platform.use_kv_device(types.SimpleNamespace(type="cuda"))
 
 
 @pytest.mark.cuda

@@ -161,6 +161,58 @@ def test_writer_posts_nothing_before_the_engines_fence_passes(ranks):
     d.wait("loaded", ("fenced", 0))
 
 
+class StandInTorchNeuron:
+    """``torch.neuron`` as TorchNeuron's native route has it: ``synchronize`` returns once the device
+    has run what was queued — here, once the test releases it. ``events``: also Event/current_stream."""
+
+    def __init__(self, events: bool):
+        self.device_done = threading.Event()
+        self.synchronized = threading.Event()
+        if events:
+            stand_in = self
+
+            class Event:
+                def record(self, stream):
+                    self.stream = stream
+
+                def query(self):
+                    return stand_in.device_done.is_set()
+
+                def synchronize(self):
+                    stand_in.synchronize()
+
+            self.Event, self.current_stream = Event, lambda device=None: f"stream of {device}"
+
+    def synchronize(self, device=None):
+        self.synchronized.set()
+        self.device_done.wait(5)
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["synchronize", "event"])
+def test_neuron_native_fence_holds_the_write_until_the_device_ran(ranks, monkeypatch, events, tmp_path):
+    """The Neuron platform's fence on the native ``neuron`` device, through the real writer thread."""
+    import sys
+    import types
+    from neuron_disagg.platforms.neuron import NeuronPlatform
+
+    neuron = StandInTorchNeuron(events)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(neuron=neuron))
+    platform = NeuronPlatform(str(tmp_path))
+    neuron.device_done.set()  # start-up drains the (empty) queue before NIXL exists
+    platform.use_kv_device(types.SimpleNamespace(type="neuron", index=0))
+    neuron.device_done.clear()
+    neuron.synchronized.clear()
+    p, d = ranks("prefill"), ranks("decode")
+    _register(d, p, ("neuron", 0), [1, 2])
+    time.sleep(0.2)  # the registration reaches P first: only the fence holds the write back
+    p.peer.thread.kv_ready(TransferId("neuron"), (3, 4), platform.wait_for_kv())
+    assert neuron.synchronized.wait(2), "the writer waits on the device before reading the KV"
+    time.sleep(0.2)
+    assert not any(e["event"] == "loaded" for e in d.events)
+    neuron.device_done.set()
+    d.wait("loaded", ("neuron", 0))
+
+
 def test_registration_reaches_prefill_only_after_the_decode_fence(ranks):
     """D's engine zeroes fresh blocks on its stream: P must not hear of them (and write) before."""
     from neuron_disagg.protocol import RankRegions, Registration
