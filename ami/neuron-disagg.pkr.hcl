@@ -88,8 +88,8 @@ variable "nixl_version" {
 
 variable "doctor_command" {
   type        = string
-  default     = "neuron-disagg doctor --image"
-  description = "The last provisioning step; the build fails if it exits non-zero."
+  default     = ""
+  description = "The last provisioning step; the build fails if it exits non-zero. Empty: `neuron-disagg doctor --image --platform <neuron|cuda>` (scripts/90-doctor.sh)."
 }
 
 variable "root_volume_gib" {
@@ -164,7 +164,7 @@ build {
   sources = ["source.amazon-ebs.neuron", "source.amazon-ebs.cuda"]
 
   # Everything the scripts need, staged on the builder: the units and the wheel (which carries
-  # the libcuda stub's source; 40-libcuda-stub.sh builds it with the package's own command).
+  # the libcuda stub's source; 40-fabric-libs.sh builds it with the package's own command).
   provisioner "shell" {
     inline = ["mkdir -p ${local.stage}/units"]
   }
@@ -191,7 +191,7 @@ build {
     only             = ["amazon-ebs.neuron"]
     execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
     environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}"]
-    script           = "${path.root}/scripts/40-libcuda-stub.sh"
+    script           = "${path.root}/scripts/40-fabric-libs.sh"
   }
 
   provisioner "shell" {

@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["doctor"]:
         from .doctor import main as doctor_main
         return doctor_main(argv[1:])
-    if argv[:1] == ["install-libcuda-stub"]:
-        from .platforms.libcuda_stub import main as stub_main
-        return stub_main(argv[1:])
+    if argv[:1] == ["install-fabric-libs"]:
+        from .platforms.fabric_libs import main as fabric_libs_main
+        return fabric_libs_main(argv[1:])
     if argv[:1] == ["serve"]:  # passes everything after `--` to `vllm serve`
         from .vllm.serve import main as serve_main
         return serve_main(argv[1:])
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("launch", "status", "teardown"):
         sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
     sub.add_parser("doctor", help="check this host for serving: vLLM, NIXL backends, EFA, Neuron, config (see --help)")
-    sub.add_parser("install-libcuda-stub", help="Neuron hosts: build the libcuda.so.1 stand-in NIXL's LIBFABRIC "
-                                                "plugin needs (see --help)")
+    sub.add_parser("install-fabric-libs", help="Neuron hosts: put what NIXL's LIBFABRIC plugin needs besides "
+                                               "libfabric (libcuda stub, CUDA runtime, hwloc) in place (see --help)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:

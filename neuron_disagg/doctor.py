@@ -8,7 +8,6 @@ but slower or only locally. Exit status is non-zero on any failure. The secret i
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -50,12 +49,17 @@ print(json.dumps(out))
 """
 
 
-@functools.lru_cache(maxsize=1)
-def probe_nixl(timeout_s: float = 60.0) -> dict[str, str]:
-    """Create a NIXL agent per backend in a child process: a plugin that crashes cannot crash us."""
+def probe_nixl(timeout_s: float = 60.0, image: bool = False) -> dict[str, str]:
+    """Create a NIXL agent per backend in a child process: a plugin that crashes cannot crash us.
+    The process sees the library path ``neuron-disagg serve`` gives vLLM. For an image the fabric's
+    variables are dropped: its builder has no EFA device for FI_PROVIDER=efa to open."""
+    from .platforms import fabric_libs
+
+    env = {k: v for k, v in os.environ.items() if not (image and k.startswith("FI_"))}
+    env["LD_LIBRARY_PATH"] = fabric_libs.library_path(fabric_libs.find())
     try:
         proc = subprocess.run([sys.executable, "-c", _NIXL_PROBE], capture_output=True, text=True,
-                              timeout=timeout_s)
+                              timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"import_error": f"creating NIXL agents took longer than {timeout_s:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -76,17 +80,22 @@ def _run(cmd: list[str], timeout_s: float = 20.0) -> str | None:
 
 # -- checks -----------------------------------------------------------------------------------------
 def check_vllm() -> Check:
-    from .vllm.serve import check_vllm_version, installed_vllm_version
+    from .vllm import compat
     try:
-        version = installed_vllm_version()
-        check_vllm_version(version)
-    except ConfigError as exc:
-        return Check("vllm", "fail", str(exc), "pip install 'vllm>=0.14.0' (or vllm-neuron on Trainium)")
-    return Check("vllm", "ok", f"vLLM {version} (>= 0.14.0)")
+        version = compat.installed_version()
+        newer = compat.check_version(version)
+    except compat.UnsupportedVLLM as exc:
+        return Check("vllm", "fail", str(exc), f"install a vLLM in {compat.RANGE} (on Trainium: the Neuron "
+                     "DLAMI's vLLM environment of SDK 2.32+)")
+    if newer:
+        return Check("vllm", "warn", f"vLLM {version} is newer than the tested range {compat.RANGE}; the "
+                     "connector runs only if its API is unchanged (checked when vLLM starts it)",
+                     f"to be safe, use a vLLM in {compat.RANGE}")
+    return Check("vllm", "ok", f"vLLM {version} (tested range {compat.RANGE})")
 
 
-def check_nixl(backend: str) -> list[Check]:
-    result = probe_nixl()
+def check_nixl(backend: str, image: bool = False) -> list[Check]:
+    result = probe_nixl(image=image)
     if "import_error" in result:
         return [Check("nixl", "fail", f"nixl does not import: {result['import_error']}",
                       "pip install nixl (pulls nixl-cu12/nixl-cu13)")]
@@ -97,8 +106,8 @@ def check_nixl(backend: str) -> list[Check]:
             checks.append(Check(f"nixl backend {name}", "ok", f"{name} backend loads"))
             continue
         needed = name == backend
-        fix = ("install libfabric >= 1.21 (the EFA installer puts it in /opt/amazon/efa/lib), add it to "
-               "LD_LIBRARY_PATH, and make libcuda.so.1 loadable" if name == "LIBFABRIC"
+        fix = ("install libfabric >= 1.21 (the EFA installer puts it in /opt/amazon/efa/lib), then "
+               "`sudo neuron-disagg install-fabric-libs` on Neuron hosts" if name == "LIBFABRIC"
                else "reinstall nixl; check that its bundled UCX libraries load (ldd on the plugin)")
         msg = f"{name} backend does not load ({state})" + ("; this platform needs it" if needed
                                                              else "; not used on this platform")
@@ -152,24 +161,21 @@ def check_neuron(platform) -> Check:
     return Check("neuron devices", "ok", msg)
 
 
-def check_libcuda(platform, backend: str) -> Check:
-    from cuda_compat import libcuda_present
+def check_fabric_libs(platform, backend: str) -> Check:
+    """What NIXL's LIBFABRIC plugin needs besides libfabric (libcuda, libcudart, libhwloc): on a
+    Neuron host the package installs them (``install-fabric-libs``); a GPU host has its driver."""
+    from .platforms import fabric_libs
 
-    from .platforms import libcuda_stub
-
-    if libcuda_present():
-        return Check("libcuda", "ok", "libcuda.so.1 loads")
-    stub = libcuda_stub.find()
-    if platform.name == "neuron" and stub is not None:
-        return Check("libcuda", "ok", f"the libcuda stub is in {stub}; `neuron-disagg serve` puts it on vLLM's "
-                     "LD_LIBRARY_PATH")
-    if platform.name == "neuron" and backend == "LIBFABRIC":
-        return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin needs it even on "
-                     "Neuron hosts", "sudo neuron-disagg install-libcuda-stub")
-    if backend == "LIBFABRIC" or platform.name == "cuda":
-        return Check("libcuda", "fail", "libcuda.so.1 does not load; NIXL's LIBFABRIC plugin and CUDA need it",
-                     "install the NVIDIA driver")
-    return Check("libcuda", "ok", "libcuda.so.1 absent (not needed for UCX)")
+    if backend != "LIBFABRIC":
+        return Check("fabric libraries", "ok", "not needed (UCX)")
+    directory = fabric_libs.find()
+    state = fabric_libs.loads(directory)
+    where = f" with {directory} on LD_LIBRARY_PATH (what `neuron-disagg serve` sets)" if directory else ""
+    if state == "loaded":
+        return Check("fabric libraries", "ok", f"NIXL's LIBFABRIC backend loads{where}")
+    fix = ("sudo neuron-disagg install-fabric-libs" if platform.name == "neuron" else
+           "install the NVIDIA driver and CUDA runtime, and libfabric >= 1.21 (EFA installer)")
+    return Check("fabric libraries", "fail", f"NIXL's LIBFABRIC backend does not load{where}: {state}", fix)
 
 
 def check_env(platform, backend: str) -> Check:
@@ -213,7 +219,10 @@ def check_secret(config: Config, image: bool = False) -> Check:
     return Check("secret", "ok", f"present in {where} ({len(secret)} bytes)")
 
 
-def run_checks(config_path: str | None = None, root: str = "/", image: bool = False) -> tuple[list[Check], dict]:
+def run_checks(config_path: str | None = None, root: str = "/", image: bool = False,
+               image_platform: str | None = None) -> tuple[list[Check], dict]:
+    """``image_platform`` (with ``image``): check the software for that accelerator on a builder
+    that has none of its devices (the AMI bake runs on a plain m6i)."""
     checks: list[Check] = []
     try:
         config = Config.from_yaml(config_path) if config_path else Config()
@@ -228,18 +237,30 @@ def run_checks(config_path: str | None = None, root: str = "/", image: bool = Fa
     checks.append(check_secret(config, image))
     from .platforms import PlatformError, select_platform
     try:
-        platform, reason = select_platform(config.platform, root=root)
+        if image_platform:
+            platform, reason = _image_platform(image_platform, root), f"the image's target (--platform {image_platform})"
+        else:
+            platform, reason = select_platform(config.platform, root=root)
     except PlatformError as exc:
         checks.append(Check("platform", "fail", str(exc), "set platform: auto, or run on the named hardware"))
         return checks, summary
-    backend = platform.nixl_backend(config.backend)
+    # An image's target has EFA, whose backend the builder lacks the devices to show.
+    backend = platform.nixl_backend(config.backend if config.backend != "auto" or not image_platform else "LIBFABRIC")
     summary = {"platform": platform.name, "reason": reason, "nixl_backend": backend,
                "memory_type": platform.memory_type, "wait_for_kv": platform.wait_strategy}
     checks.append(Check("platform", "ok", f"{platform.name} ({reason}); NIXL {backend}, {platform.memory_type}"))
-    checks += check_nixl(backend)
-    checks += [check_libfabric(backend), check_efa(platform), check_neuron(platform),
-               check_libcuda(platform, backend), check_env(platform, backend), check_port(config)]
+    checks += check_nixl(backend, image)
+    devices = [] if image_platform else [check_efa(platform), check_neuron(platform), check_env(platform, backend)]
+    checks += [check_libfabric(backend), *devices, check_fabric_libs(platform, backend), check_port(config)]
     return checks, summary
+
+
+def _image_platform(name: str, root: str):
+    if name == "neuron":
+        from .platforms.neuron import NeuronPlatform
+        return NeuronPlatform(root)
+    from cuda_compat import CudaPlatform
+    return CudaPlatform(root)
 
 
 def _print_table(checks: list[Check], summary: dict) -> None:
@@ -260,8 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     parser.add_argument("--image", action="store_true",
                         help="checking a machine image being baked: no deployment secret exists yet")
+    parser.add_argument("--platform", choices=("neuron", "cuda"),
+                        help="with --image: the accelerator the image is for (its devices are not here): "
+                             "NIXL's LIBFABRIC backend must load for it")
     args = parser.parse_args(argv)
-    checks, summary = run_checks(args.config, image=args.image)
+    if args.platform and not args.image:
+        parser.error("--platform checks an image for another host's accelerator: use it with --image")
+    checks, summary = run_checks(args.config, image=args.image, image_platform=args.platform)
     ok = all(c.status != "fail" for c in checks)
     if args.json:
         print(json.dumps({"ok": ok, **summary, "checks": [asdict(c) for c in checks]}, indent=2))

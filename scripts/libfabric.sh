@@ -2,17 +2,18 @@
 # Make NIXL's LIBFABRIC backend usable on a CPU-only Debian 12 machine (this project's kind), for
 # tests that move KV through libfabric's tcp provider inside a private network namespace.
 #
-# Installs, into ${NEURON_DISAGG_CACHE:-$HOME/.cache/neuron-disagg}/libfabric:
-#   lib/libfabric.so.1   libfabric 2.1.0 (tcp provider built in), from Debian trixie's upstream
-#                        tarball: nixl 1.4.1's plugin needs ABI FABRIC_1.7, bookworm ships 1.17.
-#   lib/libhwloc.so.15   from Debian's libhwloc15 (bookworm's 2.9.0 has every symbol the plugin uses)
-#   lib/libcuda.so.1     the package's stub (`neuron-disagg install-libcuda-stub`): each entry point
-#                        answers CUDA_ERROR_NO_DEVICE (skipped where a real driver library exists)
-#   lib/libcudart.so.13  a link to the CUDA 13 runtime the nixl-cu13 wheel's plugin links against
+# Installs, into ${NEURON_DISAGG_CACHE:-$HOME/.cache/neuron-disagg}/libfabric/lib:
+#   libfabric.so.1   libfabric 2.1.0 (tcp provider built in), from Debian trixie's upstream
+#                    tarball: nixl 1.4.1's plugin needs ABI FABRIC_1.7, bookworm ships 1.17. On
+#                    trn2/p5en the EFA installer's libfabric takes its place.
+#   and whatever else NIXL's LIBFABRIC plugin lacks here, put there by the package's own set-up step
+#   for Neuron hosts (`neuron-disagg install-fabric-libs`, platforms/fabric_libs.py): the libcuda
+#   stub and libhwloc.so.15 on this machine (its CUDA 13 runtime is found where it is).
 # Idempotent and cached: a second run does no network and no build. Prints, as its last line,
 # LIBFABRIC_LIBS=<dir>; a process that uses LIBFABRIC needs LD_LIBRARY_PATH=<dir> and
 # FI_PROVIDER=tcp (and FI_TCP_IFACE=<veth> inside the test's namespace: tcp ignores loopback).
-# Run it as root (it may apt-get install autoconf automake libtool); CPU work runs under nice.
+# Run it as root, after scripts/setup.sh made .venv (it may apt-get install autoconf automake
+# libtool); CPU work runs under nice.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -27,25 +28,18 @@ FABRIC_TARBALL=libfabric_${FABRIC_VERSION}.orig.tar.xz
 FABRIC_SHA256=1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df
 FABRIC_URL=http://deb.debian.org/debian/pool/main/libf/libfabric/$FABRIC_TARBALL
 FABRIC_STAMP=$PREFIX/.libfabric-$FABRIC_VERSION-$FABRIC_SHA256
-STUB_SRC=$REPO/neuron_disagg/platforms/libcuda_stub.c
-CUDART_PIN=nvidia-cuda-runtime==13.0.96  # only if no libcudart.so.13 is on the machine
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+FABRIC_LIBS_STAMP=$LIBDIR/.neuron-disagg-fabric-libs  # written by fabric_libs.py once the backend loads
 
 log() { echo "libfabric.sh: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-real_libcuda() { ldconfig -p 2> /dev/null | grep -q 'libcuda\.so\.1 '; }
-stub_stamp() { echo "$LIBDIR/.built-from-$(sha256sum "$STUB_SRC" | cut -c1-16)"; }  # as libcuda_stub.py
 fabric_ok() { [ -f "$FABRIC_STAMP" ] && [ -e "$LIBDIR/libfabric.so.1" ]; }
-cuda_ok() {  # the stub, built from today's source; none at all where a real driver exists
-  if real_libcuda; then
-    [ ! -e "$LIBDIR/libcuda.so.1" ]
-  else
-    [ -f "$(stub_stamp)" ] && [ -e "$LIBDIR/libcuda.so.1" ]
-  fi
+stub_current() {  # as libcuda_stub.py stamps it
+  [ ! -e "$LIBDIR/libcuda.so.1" ] ||
+    [ -f "$LIBDIR/.built-from-$(sha256sum "$REPO/neuron_disagg/platforms/libcuda_stub.c" | cut -c1-16)" ]
 }
-have_all() {
-  fabric_ok && [ -e "$LIBDIR/libhwloc.so.15" ] && cuda_ok && [ -e "$LIBDIR/libcudart.so.13" ]
-}
+have_all() { fabric_ok && [ -f "$FABRIC_LIBS_STAMP" ] && stub_current; }
 
 # Warm path: everything in place, nothing to lock, fetch or build.
 if have_all; then
@@ -127,56 +121,13 @@ build_fabric() {
   touch "$FABRIC_STAMP"
 }
 
-install_hwloc() {
-  log "fetching libhwloc15"
-  mkdir -p "$WORK/hwloc"
-  (cd "$WORK/hwloc" && apt_get download libhwloc15 > /dev/null)
-  dpkg-deb -x "$WORK"/hwloc/libhwloc15_*.deb "$WORK/hwloc/root"
-  cp -a "$WORK"/hwloc/root/usr/lib/*/libhwloc.so.15* "$LIBDIR/"
-  [ -e "$LIBDIR/libhwloc.so.15" ] || die "libhwloc15's package has no libhwloc.so.15"
-}
-
-install_libcuda_stub() {
-  rm -f "$LIBDIR"/.libcuda-stub-* "$LIBDIR"/.built-from-* "$LIBDIR/libcuda.so.1"
-  if real_libcuda; then
-    log "a real libcuda.so.1 is installed: no stub"
-    return
-  fi
-  need_gcc
-  # The package's own set-up step; it needs only the standard library, so any python3 will do.
-  PYTHONPATH=$REPO nice -n 19 python3 -m neuron_disagg.platforms.libcuda_stub --dir "$LIBDIR" > /dev/null
-}
-
-find_cudart() {
-  local f
-  f=$(ldconfig -p 2> /dev/null | awk '$1 == "libcudart.so.13" && /x86-64/ {print $NF; exit}')
-  [ -n "$f" ] && [ -e "$f" ] && { echo "$f"; return; }
-  for f in /usr/local/cuda-13*/lib*/libcudart.so.13 /usr/local/cuda/lib*/libcudart.so.13 \
-    "$REPO"/.venv/lib/python3*/site-packages/nvidia/cu13/lib/libcudart.so.13 \
-    "$PREFIX"/cudart/nvidia/cu13/lib/libcudart.so.13; do
-    [ -e "$f" ] && { echo "$f"; return; }
-  done
-  return 0
-}
-
-link_cudart() {
-  local f
-  f=$(find_cudart)
-  if [ -z "$f" ]; then
-    log "no libcudart.so.13 on this machine: taking $CUDART_PIN from PyPI"
-    local py=python3
-    [ -x "$REPO/.venv/bin/python" ] && py=$REPO/.venv/bin/python
-    "$py" -m pip download -q --no-deps --only-binary=:all: -d "$WORK/cudart" "$CUDART_PIN"
-    "$py" -m zipfile -e "$WORK"/cudart/nvidia_cuda_runtime-*.whl "$PREFIX/cudart"
-    f=$(find_cudart)
-    [ -n "$f" ] || die "no libcudart.so.13 in $CUDART_PIN"
-  fi
-  ln -sfn "$f" "$LIBDIR/libcudart.so.13"
+fabric_libs() {
+  [ -x "$PYTHON" ] || die "$PYTHON is missing: run scripts/setup.sh first"
+  need_gcc  # the libcuda stub is compiled
+  LD_LIBRARY_PATH=$LIBDIR nice -n 19 "$PYTHON" -m neuron_disagg.platforms.fabric_libs --dir "$LIBDIR" >&2
 }
 
 fabric_ok || build_fabric
-[ -e "$LIBDIR/libhwloc.so.15" ] || install_hwloc
-cuda_ok || install_libcuda_stub
-[ -e "$LIBDIR/libcudart.so.13" ] || link_cudart
+fabric_libs
 have_all || die "set-up incomplete"
 echo "LIBFABRIC_LIBS=$LIBDIR"

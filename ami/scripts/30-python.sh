@@ -50,8 +50,8 @@ py="$VENV_LINK/bin/python"
 if [[ "$PLATFORM" == neuron ]]; then
   "$py" -c 'import vllm_neuron' || die "vllm_neuron does not import"
 fi
-"$py" -c 'from neuron_disagg.vllm.serve import check_vllm_version, installed_vllm_version as v; check_vllm_version(v())' \
-  || die "vLLM is too old"
+"$py" -c 'from neuron_disagg.vllm import compat; compat.check_version(compat.installed_version())' \
+  || die "vLLM is outside the range neuron-disagg supports"
 nixl=$("$py" -c 'import importlib.metadata as m; print(m.version("nixl"))')
 [[ "$nixl" == "$NIXL_VERSION" ]] || die "nixl $nixl installed, expected $NIXL_VERSION"
 "$py" -c 'from nixl._api import nixl_agent' || die "nixl's Python API does not import"

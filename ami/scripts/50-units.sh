@@ -19,7 +19,7 @@ done
 # workers), shared-memory transfer off (it gave wrong output for disaggregation on one node).
 library_path=/opt/amazon/efa/lib
 if [[ "$PLATFORM" == neuron ]]; then
-  library_path="/opt/neuron-disagg/lib:$library_path"  # the libcuda stub (40-libcuda-stub.sh)
+  library_path="/opt/neuron-disagg/lib:$library_path"  # what NIXL's LIBFABRIC plugin needs (40-fabric-libs.sh)
 fi
 cat > /etc/neuron-disagg/fabric.env << ENV
 # Written by the neuron-disagg AMI build ($PLATFORM); read by every neuron-disagg unit.

@@ -3,8 +3,10 @@
 # LIBFABRIC plugin, vLLM). If it fails, the build fails: an AMI that cannot serve is worse than none.
 set -euo pipefail
 
-# --image: a baked image has no deployment secret yet (each instance gets it at launch).
-DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor --image}"
+# --image: a baked image has no deployment secret yet (each instance gets it at launch);
+# --platform: the builder has none of the target's devices, so name it (NIXL's LIBFABRIC backend
+# must load for it: on Neuron with the libraries 40-fabric-libs.sh installed).
+DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor --image --platform ${PLATFORM:?PLATFORM must be neuron or cuda}}"
 
 # The same environment the units run with.
 set -a

@@ -6,7 +6,7 @@
  * it resolves. Each answers CUDA_ERROR_NO_DEVICE (100), so the plugin treats every buffer as
  * non-CUDA memory and uses its Neuron (FI_HMEM_NEURON) or host paths.
  *
- * Built by `neuron-disagg install-libcuda-stub` (libcuda_stub.py), on the AMI into
+ * Built by `neuron-disagg install-fabric-libs` (fabric_libs.py, libcuda_stub.py), on the AMI into
  * /opt/neuron-disagg/lib. Only `neuron-disagg serve` and our units put that directory on
  * LD_LIBRARY_PATH: nothing else on the host sees a libcuda.
  * Never install this on a GPU host: it would hide the real driver.

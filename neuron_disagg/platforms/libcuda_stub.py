@@ -1,18 +1,16 @@
 """The libcuda.so.1 stand-in that NIXL's LIBFABRIC plugin needs on Neuron hosts (see
-libcuda_stub.c for why): built, checked and found here, so any Neuron host gets it from the
-package's own set-up step — ``neuron-disagg install-libcuda-stub`` — not only hosts baked from
-our AMI. ``neuron-disagg serve`` puts the directory on vLLM's LD_LIBRARY_PATH; nothing else does.
+libcuda_stub.c for why): built and checked here. ``fabric_libs`` (``neuron-disagg
+install-fabric-libs``) puts it where ``neuron-disagg serve`` finds it, beside the other libraries
+the plugin needs.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,17 +18,10 @@ SOURCE = Path(__file__).with_name("libcuda_stub.c")
 LIBRARY = "libcuda.so.1"
 SYMBOLS = ("cuCtxSetCurrent", "cuDeviceGetPCIBusId", "cuPointerGetAttributes")
 CUDA_ERROR_NO_DEVICE = 100
-#: Where the AMI installs it (ami/scripts/40-libcuda-stub.sh); searched first.
-SYSTEM_DIR = Path("/opt/neuron-disagg/lib")
 
 
 class StubError(Exception):
     """The stub cannot be built or does not answer as it must; the message says what to do."""
-
-
-def user_dir() -> Path:
-    cache = os.environ.get("NEURON_DISAGG_CACHE") or os.path.expanduser("~/.cache/neuron-disagg")
-    return Path(cache) / "libcuda-stub"
 
 
 def _stamp(directory: Path) -> Path:
@@ -90,42 +81,3 @@ def build(directory: Path, compiler: str | None = None, force: bool = False) -> 
         os.replace(built, target)  # atomic: a running process never sees half a library
     _stamp(directory).touch()
     return target
-
-
-def find() -> Path | None:
-    """The directory of an installed stub built from this source, or None."""
-    for directory in (SYSTEM_DIR, user_dir()):
-        if (directory / LIBRARY).exists() and _stamp(directory).exists():
-            return directory
-    return None
-
-
-def with_stub_on_library_path(env: dict[str, str], directory: Path) -> dict[str, str]:
-    """``env`` with ``directory`` first on LD_LIBRARY_PATH."""
-    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != str(directory)]
-    return {**env, "LD_LIBRARY_PATH": ":".join([str(directory), *paths])}
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="neuron-disagg install-libcuda-stub", description=(
-        "Build the libcuda.so.1 stand-in NIXL's LIBFABRIC plugin needs on Neuron hosts (never on GPU hosts)."))
-    parser.add_argument("--dir", type=Path, default=None,
-                        help=f"install here (default: {SYSTEM_DIR} as root, else {user_dir()})")
-    parser.add_argument("--force", action="store_true", help="build even where a real libcuda.so.1 loads")
-    args = parser.parse_args(argv)
-    directory = args.dir or (SYSTEM_DIR if os.geteuid() == 0 else user_dir())
-    try:
-        library = build(directory, force=args.force)
-    except (StubError, OSError) as exc:
-        print(f"neuron-disagg install-libcuda-stub: {exc}", file=sys.stderr)
-        return 1
-    found = directory.resolve() in (SYSTEM_DIR.resolve(), user_dir().resolve())
-    print(f"{library}: built and checked (each entry point answers CUDA_ERROR_NO_DEVICE). "
-          + (f"`neuron-disagg serve` puts {directory} on vLLM's LD_LIBRARY_PATH on Neuron hosts" if found else
-             f"`neuron-disagg serve` looks in {SYSTEM_DIR} and {user_dir()} only; elsewhere set "
-             f"LD_LIBRARY_PATH={directory}:$LD_LIBRARY_PATH yourself"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """ami/: the Packer template parses, agrees with what launch looks for and builds on ordinary
-instances; its doctor step needs no accelerator; the provisioning scripts pass shellcheck; the
-libcuda stub builds and answers CUDA_ERROR_NO_DEVICE; the EFA installer step refuses anything not
-signed by the pinned key (exercised with a throwaway key over local HTTP)."""
+instances; its doctor step needs no accelerator; the provisioning scripts pass shellcheck; what
+NIXL's LIBFABRIC plugin lacks is put in place (a libcuda stub that answers CUDA_ERROR_NO_DEVICE
+among it); the EFA installer step refuses anything not signed by the pinned key (exercised with a
+throwaway key over local HTTP)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,12 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
             listed.append(unquote(entry).replace("${path.root}/", ""))
     assert listed == [f"scripts/{p.name}" for p in SCRIPTS]
     assert listed[-1] == "scripts/90-doctor.sh"
-    stub_step = next(s for s in shell_steps if unquote(s.get("script", "")).endswith("40-libcuda-stub.sh"))
-    assert [unquote(o) for o in stub_step["only"]] == ["amazon-ebs.neuron"]  # never on a GPU host
+    libs_step = next(s for s in shell_steps if unquote(s.get("script", "")).endswith("40-fabric-libs.sh"))
+    assert [unquote(o) for o in libs_step["only"]] == ["amazon-ebs.neuron"]  # never on a GPU host
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
-    assert unquote(variables["doctor_command"]["default"]) == "neuron-disagg doctor --image"
+    assert unquote(variables["doctor_command"]["default"]) == ""  # 90-doctor.sh: --image --platform <source>
+    doctor = (AMI / "scripts/90-doctor.sh").read_text()
+    assert "neuron-disagg doctor --image --platform ${PLATFORM" in doctor
     assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
 
 
@@ -103,21 +106,39 @@ def test_builders_are_ordinary_x86_instances_without_accelerators(template, ec2)
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None,
                     reason="doctor checks vLLM and NIXL, which the bake installs (scripts/setup.sh here)")
-def test_doctor_image_passes_on_a_host_without_accelerators(tmp_path, monkeypatch):
-    """What 90-doctor.sh runs on the builder: with the units' fabric environment and a filesystem root
-    holding no Neuron or NVIDIA device, `doctor --image` finds no failure (the devices are checked on
-    the launched instances, by `doctor` without --image)."""
+@pytest.mark.parametrize("with_fabric_libs", [False, True])
+def test_doctor_image_for_neuron_on_a_host_without_accelerators(tmp_path, monkeypatch, with_fabric_libs):
+    """What 90-doctor.sh runs on the builder, `doctor --image --platform neuron`, with the units'
+    fabric environment, a filesystem root holding no Neuron or NVIDIA device, and the EFA installer's
+    fi_info: it fails while NIXL's LIBFABRIC backend cannot load, and passes once the fabric
+    libraries (40-fabric-libs.sh) are on the library path."""
+    from neuron_disagg.platforms import fabric_libs
+
+    from ..integration.fabrics import libfabric_alone, libfabric_libs
+
+    library_dir = libfabric_libs() if with_fabric_libs else libfabric_alone(tmp_path / "efa")
     fabric = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
               "FI_EFA_ENABLE_SHM_TRANSFER": "0"}  # as ami/scripts/50-units.sh writes fabric.env
     for key, value in fabric.items():
         monkeypatch.setenv(key, value)
-    checks, summary = run_checks(root=str(tmp_path), image=True)
-    failed = [(c.name, c.message) for c in checks if c.status == "fail"]
-    assert failed == []
-    assert summary["platform"] == "cpu"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fi_info").write_text('#!/bin/sh\n[ "$1" = --version ] && echo "libfabric: 1.22.0amzn1.0" '
+                                     '|| printf "efa:\\n    version: 122.0\\ntcp:\\n"\n')
+    (bin_dir / "fi_info").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(fabric_libs, "SYSTEM_DIR", tmp_path / "no-such-dir")
+    monkeypatch.setenv("NEURON_DISAGG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(library_dir))
+    root = tmp_path / "root"
+    root.mkdir()
+    checks, summary = run_checks(root=str(root), image=True, image_platform="neuron")
+    failed = [c.name for c in checks if c.status == "fail"]
+    assert summary["platform"] == "neuron" and summary["nixl_backend"] == "LIBFABRIC"
+    assert failed == ([] if with_fabric_libs else ["nixl backend LIBFABRIC", "fabric libraries"]), failed
     by_name = {c.name: c for c in checks}
     assert by_name["secret"].status == "warn" and "image being baked" in by_name["secret"].message
-    assert by_name["neuron devices"].status == "ok" and by_name["efa devices"].status == "ok"
+    assert "neuron devices" not in by_name  # the builder has none; the launched instance is checked
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh", *sorted((AMI.parent / "scripts").glob("*.sh"))],
@@ -142,16 +163,23 @@ def test_packer_validate(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_libcuda_stub_builds_and_answers_no_device(tmp_path):
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed here")
+def test_fabric_libs_step_puts_what_nixls_libfabric_plugin_lacks_beside_the_efa_libfabric(tmp_path):
+    """40-fabric-libs.sh with libfabric alone on the path (as the EFA installer leaves it): the
+    package's own step provides the rest, down to a libcuda stub that answers CUDA_ERROR_NO_DEVICE,
+    and proves the backend loads."""
+    from ..integration.fabrics import libfabric_alone
+
+    efa = libfabric_alone(tmp_path / "efa")
+    target = tmp_path / "lib"
     # The bake's venv is /opt/neuron-disagg/venv; here it is the one scripts/setup.sh made.
-    env = {**os.environ, "PLATFORM": "neuron", "LIB_DIR": str(tmp_path),
+    env = {**os.environ, "PLATFORM": "neuron", "LIB_DIR": str(target), "LD_LIBRARY_PATH": str(efa),
            "NEURON_DISAGG": str(Path(sys.executable).with_name("neuron-disagg"))}
-    done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", str(AMI / "scripts/40-fabric-libs.sh")], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "built and checked" in done.stdout
-    library = tmp_path / "libcuda.so.1"
+    assert "NIXL's LIBFABRIC backend loads" in done.stdout
+    assert (target / "libhwloc.so.15").exists() and (target / ".neuron-disagg-fabric-libs").exists()
+    library = target / "libcuda.so.1"
     soname = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
     assert "[libcuda.so.1]" in soname
     lib = ctypes.CDLL(str(library))
@@ -161,9 +189,9 @@ def test_libcuda_stub_builds_and_answers_no_device(tmp_path):
     assert lib.cuPointerGetAttributes(1, None, None, ctypes.c_ulonglong(0)) == 100
 
 
-def test_libcuda_stub_script_refuses_gpu_hosts(tmp_path):
+def test_fabric_libs_step_refuses_gpu_hosts(tmp_path):
     env = {**os.environ, "PLATFORM": "cuda", "LIB_DIR": str(tmp_path)}
-    done = subprocess.run(["bash", str(AMI / "scripts/40-libcuda-stub.sh")], env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", str(AMI / "scripts/40-fabric-libs.sh")], env=env, capture_output=True, text=True)
     assert done.returncode == 1 and "Neuron hosts only" in done.stderr
     assert not (tmp_path / "libcuda.so.1").exists()
 

@@ -54,14 +54,26 @@ def ucx() -> Fabric:
     return Fabric("UCX")
 
 
-def libfabric(tmp: Path) -> Fabric:
-    """Builds (first time) the libraries, then opens the namespace. Raises with the reason if the
+def libfabric_libs() -> str:
+    """The directory scripts/libfabric.sh built (first time) or cached. Raises with the reason if the
     machine cannot: the tests then fail, since set-up is expected to have prepared it."""
     built = subprocess.run(["bash", str(REPO / "scripts" / "libfabric.sh")], capture_output=True, text=True,
                            timeout=1800)
     if built.returncode != 0:
         raise RuntimeError(f"scripts/libfabric.sh failed:\n{built.stderr[-3000:]}")
-    libs = built.stdout.strip().splitlines()[-1].removeprefix("LIBFABRIC_LIBS=")
+    return built.stdout.strip().splitlines()[-1].removeprefix("LIBFABRIC_LIBS=")
+
+
+def libfabric_alone(directory: Path) -> Path:
+    """A directory holding libfabric and nothing else, as the EFA installer's /opt/amazon/efa/lib."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "libfabric.so.1").symlink_to(Path(libfabric_libs(), "libfabric.so.1").resolve())
+    return directory
+
+
+def libfabric(tmp: Path) -> Fabric:
+    """The libraries (scripts/libfabric.sh), then a private network namespace for the peers."""
+    libs = libfabric_libs()
     ready = tmp / "netns-ready"
     holder = subprocess.Popen(["unshare", "-n", "--", "sh", "-c", NAMESPACE_SETUP.format(ready=ready)],
                               stderr=subprocess.PIPE, text=True)

@@ -86,7 +86,7 @@ def test_neuron_platform_wants_env_and_libfabric(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     check = doctor.check_env(NeuronPlatform("/nonexistent"), "LIBFABRIC")
     assert check.status == "fail" and "export FI_PROVIDER=efa;" in check.fix
-    monkeypatch.setattr(doctor, "probe_nixl", lambda: {"UCX": "loaded", "LIBFABRIC": "nixlNotFoundError"})
+    monkeypatch.setattr(doctor, "probe_nixl", lambda image=False: {"UCX": "loaded", "LIBFABRIC": "nixlNotFoundError"})
     fab = [c for c in doctor.check_nixl("LIBFABRIC") if c.name == "nixl backend LIBFABRIC"][0]
     assert fab.status == "fail"
     monkeypatch.setattr(doctor, "_run", lambda cmd, timeout_s=20.0: None)
