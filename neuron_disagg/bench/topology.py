@@ -33,10 +33,11 @@ class ServerSettings:
     kv_cache_bytes: int = 256 << 20
     block_size: int = 32
     extra: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--tensor-parallel-size", "8")
+    dtype: str = "auto"
 
     def kwargs(self) -> dict:
         return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
-                "block_size": self.block_size, "extra": self.extra}
+                "block_size": self.block_size, "extra": self.extra, "dtype": self.dtype}
 
 
 @dataclass

@@ -14,12 +14,13 @@ import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..config import Config
 from ..protocol.wire import WireCodec
 from ..timeline import Timeline
+from . import compat
 from .metadata import RankHandshake, StepMetadata
+from .neuron_plugin import refuse_unsupported_platform
 from .scheduler import OfferMaker, SchedulerSide
 from .stats import ConnectorPromMetrics, ConnectorStats
 from .worker import WorkerSide
@@ -30,6 +31,10 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 class NeuronDisaggConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_runtime()
+        refuse_unsupported_platform()
+        _refuse_hybrid_kv_cache(kv_cache_config)
+        self._vllm_config = vllm_config
         transfer = vllm_config.kv_transfer_config
         self.config = Config.from_mapping(transfer.kv_connector_extra_config or {},
                                           source="kv_connector_extra_config")
@@ -46,9 +51,12 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            model = vllm_config.model_config
             self.worker_side = WorkerSide(self.config, _ROLES[transfer.kv_role], transfer.engine_id,
                                           get_tensor_model_parallel_rank(),
-                                          vllm_config.parallel_config.tensor_parallel_size)
+                                          vllm_config.parallel_config.tensor_parallel_size,
+                                          total_heads=1 if model.use_mla else model.get_total_num_kv_heads())
+        self._failed_blocks: set[int] = set()  # vLLM < 0.32: this step's failed loads, as their blocks
 
     # -- scheduler side (engine-core process, engine loop) --------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -90,8 +98,10 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
 
     # -- worker side (worker process, engine loop) ------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        """Worker, once at start-up: register the KV tensors and start the transfer threads."""
-        self.worker_side.register_kv_caches(kv_caches)
+        """Worker, once at start-up: register the KV tensors (described as their attention backend
+        declares them) and start the transfer threads."""
+        self.worker_side.register_kv_caches(kv_caches, compat.kv_dims(self._vllm_config, kv_caches),
+                                            self._vllm_config.cache_config.block_size)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Worker, each step before the forward: hand the step's work to the transfer threads now
@@ -116,20 +126,49 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, once per step after the forward: nothing; the step's work left in
         bind_connector_metadata and writes never wait for the forward."""
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Worker, each step: requests whose blocks the threads released, loaded, or failed."""
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Worker, each step (vLLM 0.32+): requests whose blocks the threads released, loaded, or
+        failed to load (those also count as received; vLLM's kv_load_failure_policy applies)."""
+        sending, recving, failed = self._results(finished_req_ids)
+        return compat.transfer_results(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        """Worker, each step (vLLM < 0.32): as get_transfer_results; a failed load is reported
+        through its blocks in get_block_ids_with_load_errors, which vLLM calls right after."""
+        sending, recving, failed = self._results(finished_req_ids)
+        self._failed_blocks = set(self.worker_side.failed_blocks)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, each step after get_finished (vLLM < 0.32): blocks whose load failed."""
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
+    def _results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         start = time.perf_counter()
         sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
         step = self._step_seconds + time.perf_counter() - start  # I5: what the engine loop paid us
         self._step_seconds = 0.0
         if sending or recving or self.has_connector_metadata():
             self.worker_side.step_us.append(step * 1e6)
-        return KVConnectorTransferResults(sending, recving, failed)
+        return sending, recving, failed
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
         """Worker, each step: counters since the last call, for vLLM's stats and /metrics."""
         data = self.worker_side.stats() if self.worker_side is not None else None
         return ConnectorStats(data) if data else None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """Engine start-up: head-major blocks, so a rank's heads are one span of a block when P and D
+        run different TP sizes ("HND" is vLLM 0.29+'s LBHNC too). MLA has one head: no preference.
+        Any layout vLLM ends up with is read off the tensors (platforms.kv_layout)."""
+        return None if vllm_config.model_config.use_mla else "HND"
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        """vLLM 0.33+: sleep mode frees and re-allocates the KV cache under our NIXL registrations."""
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
@@ -141,11 +180,15 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """API server process: the ``neuron_disagg_*`` series on vLLM's /metrics."""
         return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def get_finished(self, finished_req_ids: set[str]):
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
-
     def shutdown(self) -> None:
         """Worker, at exit: stop the threads (in-flight transfers fail with a reason)."""
         if self.worker_side is not None:
             self.worker_side.shutdown()
+
+
+def _refuse_hybrid_kv_cache(kv_cache_config) -> None:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(f"this model's KV cache has {len(groups)} groups (sliding-window or state layers "
+                         "beside full attention); neuron-disagg transfers one group: start vLLM with "
+                         "--disable-hybrid-kv-cache-manager")

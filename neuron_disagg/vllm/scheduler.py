@@ -18,6 +18,7 @@ from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
 from ..timeline import OFF, Timeline
 
+from . import compat
 from . import params as leg_params
 from .metadata import Registration, StepMetadata
 
@@ -56,6 +57,7 @@ class Leg:
     state: LegState
     local_hit_tokens: int = 0
     announced: bool = False  # D: the worker has been told to expect this transfer
+    block_ids: tuple[int, ...] = ()  # D: the blocks registered for the KV (a failed load names them)
 
 
 class SchedulerSide:
@@ -107,6 +109,7 @@ class SchedulerSide:
         prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
         registration = Registration(leg.params.transfer_id, request.request_id, block_ids, first)
+        leg.block_ids = block_ids
         if leg.params.mode == "push":
             self._step.register.append(registration)
         else:
@@ -121,6 +124,9 @@ class SchedulerSide:
             return False, None
         tid, status = leg.params.transfer_id, str(getattr(request, "status", ""))
         if leg.params.role == "prefill":
+            # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
+            # the prompt's KV is in the first blocks either way.
+            block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
             if "ABORTED" not in status and "ERROR" not in status and block_ids:
                 leg.state = LegState.HANDED_OFF
                 self.timeline.mark(tid, "p_kv_ready")
@@ -151,7 +157,8 @@ class SchedulerSide:
         return step
 
     def update_connector_output(self, output) -> None:
-        failed = set(getattr(output, "failed_recving", None) or ())
+        failed = compat.failed_loads(output, {leg.request_id: leg.block_ids for leg in self.legs.values()
+                                              if leg.state is LegState.LOADING})
         for request_id in output.finished_recving or ():
             leg = self.legs.get(request_id)
             if leg is None:

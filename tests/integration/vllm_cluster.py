@@ -1,0 +1,154 @@
+"""A monolithic vLLM server with a prefill and a decode instance beside it, each from one vLLM
+environment, and what tests do with them: prompts, both legs of a disaggregated request, the
+monolithic reference answer, held KV blocks read off vLLM's /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import tempfile
+import time
+
+import httpx
+
+from neuron_disagg import tiny_model
+from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router
+
+from ..vllm_envs import VllmEnv
+TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3,
+            "clock_skew_allowance_s": 0.5}
+D_BOUND_S = TIMEOUTS["watchdog_s"] + TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
+# P caps how long a registration may wait for its prefill by its own watchdog_s, and on 2 shared
+# cores a queue of prefills of new shapes (vLLM picks CPU kernels per shape) can take longer than the
+# short watchdog the liveness tests want on the main D. P and the preemption D get a long one.
+PATIENT = {**TIMEOUTS, "watchdog_s": 120}
+MAX_MODEL_LEN = 2048
+_ids = itertools.count()
+
+
+def next_id() -> int:
+    return next(_ids)
+WORDS = ("river mountain ocean forest city music garden window morning evening silver copper orange "
+         "purple seven eleven thirty hundred quick lazy brown fox jumps over the lazy dog").split()
+
+
+class Cluster:
+    def __init__(self, model, env: VllmEnv):
+        self.model, self.env = model, env
+        self.p_side = free_port()
+        self.mono = monolithic(model, free_port(), "0", python=env.python, max_model_len=MAX_MODEL_LEN)
+        self.secret = secrets.token_hex(32)
+        self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
+        on = {"timeline_dir": self.timeline_dir}
+        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on})
+        self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on})
+
+    def instance(self, role: str, side_port: int, cpu: str, config: dict, **kwargs):
+        """A P or D of this cluster's vLLM and model, sharing its secret (not started)."""
+        return disaggregated(role, self.model, free_port(), side_port, cpu, self.secret, config,
+                             python=self.env.python, max_model_len=MAX_MODEL_LEN, **kwargs)
+
+    def all(self):
+        return (self.mono, self.p, self.d)
+
+
+@contextlib.contextmanager
+def running(env: VllmEnv):
+    """A started cluster of ``env``'s vLLM with the tiny model, stopped on exit."""
+    c = Cluster(str(tiny_model.build()), env)
+    try:
+        for instance in c.all():
+            instance.start()
+        for instance in c.all():
+            instance.wait_ready()
+        yield c
+    finally:
+        for instance in c.all():
+            instance.stop()
+
+
+@contextlib.contextmanager
+def routed(c: Cluster):
+    """The router (./.venv's) in front of the cluster's P and D."""
+    instance = router([(c.p.url, c.p_side)], [c.d.url], free_port(), timeline_dir=c.timeline_dir).start()
+    try:
+        yield instance.wait_ready(60)
+    finally:
+        instance.stop()
+
+
+def prompt(words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(words))
+
+
+def body(text: str, max_tokens: int = 16, **extra) -> dict:
+    return {"model": "tiny", "prompt": text, "temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None):
+    tid = f"it-{next_id()}-{time.monotonic_ns()}#0"
+    p = body(text, 1, kv_transfer_params={"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid})
+    d = body(text, max_tokens, kv_transfer_params={
+        "neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": tid,
+        "p_side_channel": f"127.0.0.1:{p_side or c.p_side}", "p_tp_size": 1})
+    return p, d
+
+
+async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16,
+                                  decode=None, prefill=None) -> str:
+    """Both legs at once, through ``prefill`` (an (instance, side channel port) pair; the shared P
+    by default) and ``decode`` (the shared D by default)."""
+    p_instance, p_side = prefill or (c.p, c.p_side)
+    p_body, d_body = legs(c, text, max_tokens, p_side)
+    p, d = await asyncio.gather(client.post(f"{p_instance.url}/v1/completions", json=p_body),
+                                client.post(f"{(decode or c.d).url}/v1/completions", json=d_body))
+    assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    return d.json()["choices"][0]["text"]
+
+
+async def reference(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
+    r = await client.post(f"{c.mono.url}/v1/completions", json=body(text, max_tokens))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def kv_usage(instance) -> float:
+    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:kv_cache_usage_perc not exported")
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def blocks_back(c: Cluster, timeout_s: float = 20) -> None:
+    for instance in (c.p, c.d):
+        wait_for(lambda: kv_usage(instance) == 0.0, timeout_s, f"{instance.name} KV usage back to 0")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _compare(c, texts, max_tokens=16):
+    async with httpx.AsyncClient(timeout=120) as client:
+        want = [await reference(c, client, t, max_tokens) for t in texts]
+        got = await asyncio.gather(*(disaggregated_completion(c, client, t, max_tokens) for t in texts))
+    return want, list(got)
+
+
+def metric(instance, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

