@@ -76,8 +76,16 @@ class Timeline:
 OFF = Timeline(None, "off")
 
 
+def request_transfer(transfer_id: str) -> str:
+    """The router's transfer id of a connector's per-prompt one (``<request>/<prompt digest>#<n>``,
+    see vllm/scheduler.py): a request's events are one timeline whatever its prompts."""
+    request, sep, attempt = transfer_id.rpartition("#")
+    return f"{request.split('/', 1)[0]}#{attempt}" if sep else transfer_id
+
+
 def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
-    """Every transfer's events from every file in ``directory``; unreadable lines are skipped."""
+    """Every transfer's events from every file in ``directory``, per router transfer id (a request
+    of several prompts is one); unreadable lines are skipped."""
     decode = msgspec.json.Decoder(tuple[str, str, float]).decode
     transfers: dict[str, dict[str, float]] = {}
     for path in sorted(Path(directory).glob("*.jsonl")):
@@ -86,7 +94,7 @@ def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
                 tid, event, at = decode(raw)
             except msgspec.DecodeError:
                 continue  # a line cut short by a killed process
-            events = transfers.setdefault(tid, {})
+            events = transfers.setdefault(request_transfer(tid), {})
             seen = events.get(event)
             if seen is None or (at < seen if event in _EARLIEST else at > seen):
                 events[event] = at

@@ -27,7 +27,7 @@ from .ids import format_transfer_id
 from .instances import Instance, InstancePool, Role
 from .legs import DecodeLeg, prefill_leg
 from .metrics import RouterMetrics
-from .requests import (ClientRequest, decode_body, prefill_body, pull_decode_params,
+from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, pull_decode_params,
                        push_decode_params)
 from ..timeline import Timeline
 from .settings import PUSH_MODES, Mode, RouterSettings
@@ -50,6 +50,10 @@ class RequestContext:
     arrived: float           # monotonic
     log: RequestLog
     arrived_at: float = field(default_factory=time.time)  # wall clock, for the timeline
+
+
+def _has_offer(params: dict[str, Any]) -> bool:
+    return isinstance(params.get("offer"), str)
 
 
 async def _cancel(*tasks: asyncio.Task) -> None:
@@ -153,8 +157,9 @@ class Flows:
             tid = format_transfer_id(ctx.transfer_base, attempt)
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
-            try:
-                answer = await self._prefill(req, ctx, p, tid, req.mode)
+            try:  # one leg, or one per distinct prompt of a list: D needs each prompt's offer
+                answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, body)
+                                                 for body in prefill_bodies(req, req.mode, tid)))
                 break
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
@@ -164,12 +169,13 @@ class Flows:
                                 tid, p.url, getattr(exc, "code", exc))
                 self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
             attempt += 1
-        p_params = answer.get("kv_transfer_params")
-        if not isinstance(p_params, dict):
+        p_params = [answer.get("kv_transfer_params") for answer in answers]
+        wanted = dict if req.mode == "vllm-pull" else _has_offer
+        if not all(isinstance(params, dict) and wanted(params) for params in p_params):
             self.metrics.failures.labels("prefill_no_kv_transfer_params").inc()
             raise UpstreamFailed(
-                f"prefill instance {p.url} answered without a kv_transfer_params object (got "
-                f"{type(p_params).__name__}); is it running the neuron_disagg connector?",
+                f"prefill instance {p.url} answered without its kv_transfer_params offer (got "
+                f"{[type(params).__name__ for params in p_params]}); is it running the neuron_disagg connector?",
                 code="prefill_no_kv_transfer_params", instance=p)
         d = self._pick("decode")  # late decode choice: the point of pull
         d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params))
@@ -200,10 +206,10 @@ class Flows:
             ctx.log.warning("ejected %s until a health check passes", exc.instance.url)
 
     async def _prefill(self, req: ClientRequest, ctx: RequestContext, p: Instance, tid: str,
-                       mode: Mode) -> dict[str, Any]:
+                       mode: Mode, body: dict[str, Any] | None = None) -> dict[str, Any]:
         with self.pool.lease(p, req.prompt_tokens):
             try:
-                return await prefill_leg(self.session, p, req.path, prefill_body(req, mode, tid),
+                return await prefill_leg(self.session, p, req.path, body or prefill_body(req, mode, tid),
                                          {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
             except RouterError as exc:
                 self._failed(ctx, tid, exc)

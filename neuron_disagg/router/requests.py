@@ -15,8 +15,9 @@ from .errors import BadRequest
 from .settings import MODES, Mode
 
 # P's answer is discarded, so P generates one token and does not stream; options that only make
-# sense with streaming or with more tokens would make vLLM refuse P's leg.
-_PREFILL_DROPS = ("stream_options", "min_tokens")
+# sense with streaming or with more tokens would make vLLM refuse P's leg. P computes each prompt
+# once whatever D samples from it: n and best_of stay with D.
+_PREFILL_DROPS = ("stream_options", "min_tokens", "n", "best_of")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ def parse_client_request(path: str, raw: bytes, default_mode: Mode) -> ClientReq
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"field 'stream' must be true or false, got {stream!r}", code="invalid_stream")
+    _refuse_prompt_logprobs(body)
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -58,6 +60,34 @@ def parse_client_request(path: str, raw: bytes, default_mode: Mode) -> ClientReq
             raise BadRequest("field 'prompt' is required", code="missing_prompt")
         tokens = _prompt_tokens(body["prompt"])
     return ClientRequest(path, body, mode, stream, tokens)
+
+
+def _refuse_prompt_logprobs(body: dict[str, Any]) -> None:
+    """Prompt logprobs come from computing the prompt, which P does and D does not: D has none to
+    give. Refused up front rather than answered without them."""
+    asked = ("prompt_logprobs" if body.get("prompt_logprobs") is not None else
+             "echo" if body.get("echo") and body.get("logprobs") is not None else None)
+    if asked:
+        raise BadRequest(f"'{asked}' asks for the prompt's logprobs, which a disaggregated request does not "
+                         "compute where it decodes: drop it, or send the request to a monolithic vLLM",
+                         code="prompt_logprobs_unsupported")
+
+
+def distinct_prompts(body: dict[str, Any]) -> list[Any] | None:
+    """A completion's prompts, each once, when it has several; None for one prompt (or chat)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], (str, list)):
+        return None
+    unique = list({json.dumps(p): p for p in prompt}.values())
+    return unique if len(unique) > 1 or len(prompt) > 1 else None
+
+
+def prefill_bodies(req: ClientRequest, mode: Mode, transfer_id: str) -> list[dict[str, Any]]:
+    """P's legs: one body, or in pull mode one per distinct prompt of a list (P answers a request
+    with one set of kv_transfer_params, the first prompt's, and D needs every prompt's offer)."""
+    prompts = distinct_prompts(req.body) if mode == "pull" else None
+    body = prefill_body(req, mode, transfer_id)
+    return [body] if prompts is None else [{**body, "prompt": p} for p in prompts]
 
 
 def _text_tokens(text: str) -> int:
@@ -133,9 +163,10 @@ def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: 
             "p_side_channel": p_side_channel, "p_tp_size": p_tp}
 
 
-def pull_decode_params(mode: Mode, transfer_id: str, p_params: dict[str, Any]) -> dict[str, Any]:
-    """P's returned ``kv_transfer_params`` pass through verbatim (and win on a clash)."""
+def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, Any]]) -> dict[str, Any]:
+    """What P's legs returned as ``kv_transfer_params`` (one per leg): verbatim for vLLM's own
+    connector; ours carries every leg's offer (one per prompt; D takes each prompt's own)."""
     if mode == "vllm-pull":
-        return dict(p_params)
-    return {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": transfer_id,
-            **p_params}
+        return dict(p_params[0])
+    offers = [params["offer"] for params in p_params]
+    return {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": transfer_id, "offers": offers}

@@ -22,7 +22,7 @@ from . import compat
 from .metadata import RankHandshake, StepMetadata
 from .neuron_plugin import refuse_unsupported_platform
 from .scheduler import OfferMaker, SchedulerSide
-from .stats import ConnectorPromMetrics, ConnectorStats
+from .stats import ConnectorPromMetrics, ConnectorStats, empty
 from .worker import WorkerSide
 
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -154,9 +154,13 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         return sending, recving, failed
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
-        """Worker, each step: counters since the last call, for vLLM's stats and /metrics."""
-        data = self.worker_side.stats() if self.worker_side is not None else None
-        return ConnectorStats(data) if data else None
+        """Worker, each step: counters since the last call, for vLLM's stats and /metrics.
+        Scheduler, each step: the blocks it holds for transfers, when that changed."""
+        if self.worker_side is not None:
+            data = self.worker_side.stats()
+            return ConnectorStats(data) if data else None
+        held = self.scheduler_side.held_blocks()
+        return None if held is None else ConnectorStats({**empty(), "held_blocks": held})
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

@@ -34,8 +34,9 @@ class StepMetadata(KVConnectorMetadata):
     kv_ready: list[tuple[TransferId, str, tuple[int, ...]]] = field(default_factory=list)
     # P, pull: prefill finished and its blocks are offered -> (transfer id, request id, the offer)
     lend: list[tuple[TransferId, str, PullOffer]] = field(default_factory=list)
-    # D, pull: blocks allocated; read P's offer into them
-    read: list[tuple[Registration, bytes]] = field(default_factory=list)
+    # D, pull: blocks allocated; read P's offer into them -> (what was allocated, the signed offers
+    # the router carried: one per prompt of the HTTP request, the worker takes this transfer's)
+    read: list[tuple[Registration, tuple[bytes, ...]]] = field(default_factory=list)
     # either side: the request ended early -> (transfer id, role, reason)
     abort: list[tuple[TransferId, str, str]] = field(default_factory=list)
 

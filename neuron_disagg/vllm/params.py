@@ -5,6 +5,8 @@ Push, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "push", "tran
                      "p_side_channel": "host:port", "p_tp_size": 8}
 Pull, prefill leg:  as push with "mode": "pull"; its response carries {"neuron_disagg": 1, "offer": ...}
 Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": ..., "offer": ...}
+                    or, for a list of prompts, "offers": [...], one per distinct prompt (each names
+                    its prompt's transfer; the connector takes the one for its own)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class LegParams:
     transfer_id: TransferId
     p_side_channel: str = ""
     p_tp_size: int = 1
-    offer: str = ""  # base64 signed PullOffer (pull, decode leg)
+    offers: tuple[str, ...] = ()  # base64 signed PullOffers (pull, decode leg)
 
 
 def parse_transfer_id(text: str) -> TransferId:
@@ -49,6 +51,9 @@ def parse(params: dict[str, Any] | None) -> LegParams | None:
         if ":" not in str(side):
             raise BadTransferParams("a push decode leg needs p_side_channel 'host:port'")
         return LegParams(role, mode, tid, str(side), int(params.get("p_tp_size", 1)))
-    if role == "decode" and mode == "pull" and not params.get("offer"):
-        raise BadTransferParams("a pull decode leg needs the prefill's offer")
-    return LegParams(role, mode, tid, offer=str(params.get("offer", "")))
+    if role == "prefill":
+        return LegParams(role, mode, tid)
+    offers = params.get("offers", [params["offer"]] if params.get("offer") else [])
+    if not isinstance(offers, list) or not offers or not all(isinstance(o, str) and o for o in offers):
+        raise BadTransferParams("a pull decode leg needs the prefill's offer (or offers, one per prompt)")
+    return LegParams(role, mode, tid, offers=tuple(offers))

@@ -3,12 +3,21 @@
 It translates vLLM's scheduler calls into work for the worker side (``StepMetadata``) and keeps one
 ``Leg`` per disaggregated request with an explicit state. It does no I/O: every call is a few
 dictionary operations, so the engine loop never waits on a transfer (I5).
+
+One HTTP request becomes several engine requests — one per prompt of a list, one per sample with
+``n`` > 1 — all carrying the same ``kv_transfer_params``. So each engine request's transfer is named
+by the router's transfer id and a digest of its prompt's tokens (``transfer_key``), which P and D
+compute alike: each prompt's KV moves once. Engine requests that share a prompt are siblings: on P
+the first to finish hands its blocks over and the others free theirs; on D the first registers and
+the others wait for its KV, then compute from D's prefix cache as vLLM shares any prefix.
 """
 
 from __future__ import annotations
 
+import array
 import base64
 import enum
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -40,8 +49,15 @@ class OfferMaker:
         return offer, self.codec.encode(offer)
 
 
+def transfer_key(transfer_id: TransferId, prompt_token_ids) -> TransferId:
+    """The transfer of one engine request: the router's transfer id and its prompt's digest."""
+    digest = hashlib.blake2b(array.array("q", prompt_token_ids).tobytes(), digest_size=6).hexdigest()
+    return TransferId(f"{transfer_id.request}/{digest}", transfer_id.attempt)
+
+
 class LegState(enum.Enum):
     WAITING_FOR_BLOCKS = "waiting_for_blocks"  # D: known, no blocks allocated yet
+    FOLLOWING = "following"                    # D: a sibling loads this prompt's KV; then reuse it
     LOADING = "loading"                        # D: blocks registered with P; KV on its way
     ABORTING = "aborting"                      # D: aborted while loading; blocks fenced by the worker
     LOADED = "loaded"                          # D: KV arrived; decoding
@@ -54,10 +70,15 @@ class LegState(enum.Enum):
 class Leg:
     request_id: str
     params: leg_params.LegParams
+    key: TransferId  # this engine request's transfer (``transfer_key``)
     state: LegState
     local_hit_tokens: int = 0
     announced: bool = False  # D: the worker has been told to expect this transfer
-    block_ids: tuple[int, ...] = ()  # D: the blocks registered for the KV (a failed load names them)
+    block_ids: tuple[int, ...] = ()  # the blocks held for the transfer (D: registered, P: handed over)
+
+
+#: States in which a leg holds blocks for its transfer (the held-blocks gauge).
+HOLDING = frozenset({LegState.LOADING, LegState.ABORTING, LegState.HANDED_OFF})
 
 
 class SchedulerSide:
@@ -66,8 +87,11 @@ class SchedulerSide:
         self.timeline = timeline
         self.offers = offers  # pull mode on P: None until the workers' handshake arrived
         self.legs: dict[str, Leg] = {}
+        self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
+        self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
         self.rejected = 0  # requests whose kv_transfer_params we could not honour
         self._step = StepMetadata()
+        self._held_reported: int | None = None
 
     def _leg(self, request) -> Leg | None:
         leg = self.legs.get(request.request_id)
@@ -80,21 +104,49 @@ class SchedulerSide:
                 return None
             if parsed is None:
                 return None
+            if request.prompt_token_ids is None:  # prompt embeddings: nothing to name the KV by
+                self.rejected += 1
+                log.warning("request %s runs without disaggregation: a prompt given as embeddings",
+                            request.request_id)
+                return None
+            key = transfer_key(parsed.transfer_id, request.prompt_token_ids)
             state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
-            leg = self.legs[request.request_id] = Leg(request.request_id, parsed, state)
+            if parsed.role == "decode" and self.owner.get(key) in self.legs:
+                state = LegState.FOLLOWING  # a sibling has (or is getting) this prompt's KV
+            leg = self.legs[request.request_id] = Leg(request.request_id, parsed, key, state)
+            if state is LegState.WAITING_FOR_BLOCKS:
+                self.owner[key] = request.request_id
             arrived = getattr(request, "arrival_time", None)
             if arrived is not None:
-                self.timeline.mark(parsed.transfer_id, f"{parsed.role[0]}_arrived", arrived)
+                self.timeline.mark(key, f"{parsed.role[0]}_arrived", arrived)
         return leg
+
+    def _busy(self, request_id: str | None) -> bool:
+        """D: that leg is still getting its KV (a sibling must wait for it)."""
+        leg = self.legs.get(request_id) if request_id is not None else None
+        return leg is not None and leg.state in (LegState.WAITING_FOR_BLOCKS, LegState.LOADING)
+
+    def _forget(self, leg: Leg) -> None:
+        del self.legs[leg.request_id]
+        if self.owner.get(leg.key) == leg.request_id:
+            del self.owner[leg.key]
+            self.offered.pop(leg.key, None)
 
     # -- D ---------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """D: the whole prompt beyond our local prefix hit comes from P, asynchronously."""
+        """D: the whole prompt beyond our local prefix hit comes from P, asynchronously. A sibling of
+        a request that loads the same prompt waits (None: ask again next step), then computes from
+        the local prefix cache the loaded KV filled."""
         leg = self._leg(request)
+        if leg is not None and leg.state is LegState.FOLLOWING:
+            if self._busy(self.owner.get(leg.key)):
+                return None, False
+            self._forget(leg)
+            return 0, False
         if leg is None or leg.params.role != "decode" or leg.state is not LegState.WAITING_FOR_BLOCKS:
             return 0, False  # not ours, or a retry after a failed load: compute locally
         if not leg.announced and leg.params.mode == "push":  # the worker heartbeats P from now on
-            self._step.expect.append((leg.params.transfer_id, leg.params.p_side_channel, leg.params.p_tp_size))
+            self._step.expect.append((leg.key, leg.params.p_side_channel, leg.params.p_tp_size))
             leg.announced = True
         leg.local_hit_tokens = num_computed_tokens
         return len(request.prompt_token_ids) - num_computed_tokens, True
@@ -102,33 +154,39 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         leg = self.legs.get(request.request_id)
         if leg is not None and leg.state is LegState.PREFILLING:
-            self.timeline.mark(leg.params.transfer_id, "p_scheduled")
+            self.timeline.mark(leg.key, "p_scheduled")
         if leg is None or num_external_tokens == 0 or leg.state is not LegState.WAITING_FOR_BLOCKS:
             return
         first = leg.local_hit_tokens // self.block_size
         prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
-        registration = Registration(leg.params.transfer_id, request.request_id, block_ids, first)
+        registration = Registration(leg.key, request.request_id, block_ids, first)
         leg.block_ids = block_ids
         if leg.params.mode == "push":
             self._step.register.append(registration)
-        else:
-            self._step.read.append((registration, base64.b64decode(leg.params.offer)))
+        else:  # the worker picks the offer for this prompt's transfer
+            self._step.read.append((registration, tuple(base64.b64decode(o) for o in leg.params.offers)))
         leg.state = LegState.LOADING
-        self.timeline.mark(leg.params.transfer_id, "d_allocated")
+        self.timeline.mark(leg.key, "d_allocated")
 
     # -- both ------------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         leg = self.legs.get(request.request_id)
         if leg is None:
             return False, None
-        tid, status = leg.params.transfer_id, str(getattr(request, "status", ""))
+        tid, status = leg.key, str(getattr(request, "status", ""))
         if leg.params.role == "prefill":
             # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
             # the prompt's KV is in the first blocks either way.
             block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
-            if "ABORTED" not in status and "ERROR" not in status and block_ids:
-                leg.state = LegState.HANDED_OFF
+            finished = "ABORTED" not in status and "ERROR" not in status and bool(block_ids)
+            if finished and self.owner.get(tid, request.request_id) != request.request_id:
+                answer = self.offered.get(tid)  # a sibling handed this prompt's KV over already
+                self._forget(leg)
+                return False, answer
+            if finished:
+                leg.state, leg.block_ids = LegState.HANDED_OFF, tuple(block_ids)
+                self.owner[tid] = request.request_id
                 self.timeline.mark(tid, "p_kv_ready")
                 if leg.params.mode == "push":
                     self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
@@ -136,10 +194,11 @@ class SchedulerSide:
                 if self.offers is not None:
                     offer, frame = self.offers.offer(tid, tuple(block_ids))
                     self._step.lend.append((tid, request.request_id, offer))
-                    return True, {"neuron_disagg": 1, "offer": base64.b64encode(frame).decode()}
+                    self.offered[tid] = {"neuron_disagg": 1, "offer": base64.b64encode(frame).decode()}
+                    return True, self.offered[tid]
                 log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
             self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))
-            del self.legs[request.request_id]
+            self._forget(leg)
             return False, None
         if leg.state is LegState.LOADING:
             # vLLM holds the blocks until our worker reports this request finished receiving,
@@ -149,7 +208,7 @@ class SchedulerSide:
             return False, None
         if leg.state is LegState.WAITING_FOR_BLOCKS:
             self._step.abort.append((tid, "decode", "decode request aborted before it had blocks"))
-        del self.legs[request.request_id]
+        self._forget(leg)
         return False, None
 
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
@@ -164,16 +223,25 @@ class SchedulerSide:
             if leg is None:
                 continue
             if leg.state is LegState.ABORTING:
-                del self.legs[request_id]
+                self._forget(leg)
             else:
                 leg.state = LegState.FAILED if request_id in failed else LegState.LOADED
                 if leg.state is LegState.LOADED:
-                    self.timeline.mark(leg.params.transfer_id, "d_loaded")
+                    self.timeline.mark(leg.key, "d_loaded")
         for request_id in output.finished_sending or ():
             leg = self.legs.get(request_id)
             if leg is not None and leg.state is LegState.HANDED_OFF:
-                del self.legs[request_id]
+                self._forget(leg)
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a P request's blocks wait for the writer."""
         return any(leg.state is LegState.HANDED_OFF for leg in self.legs.values())
+
+    def held_blocks(self) -> int | None:
+        """Blocks held for transfers now (P: handed to the writer; D: registered or fenced), when
+        that changed since the last call; None when it did not."""
+        held = sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
+        if held == self._held_reported:
+            return None
+        self._held_reported = held
+        return held

@@ -3,7 +3,9 @@
 server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
 
 The payload is a plain dict (vLLM sends it between processes):
-``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...]}``.
+``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...]}``, and
+from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed: a
+gauge, so a leak shows on /metrics as a value that does not come back to 0.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class ConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (any(d["counts"].values()) or d["failures"] or d["write_ms"] or d["step_us"])
+        return not (any(d["counts"].values()) or d["failures"] or d["write_ms"] or d["step_us"]
+                    or "held_blocks" in d)
 
     def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
         mine, theirs = self.data, other.data
@@ -51,6 +54,8 @@ class ConnectorStats(KVConnectorStats):
         mine["failures"] = dict(Counter(mine["failures"]) + Counter(theirs.get("failures", {})))
         mine["write_ms"] = mine["write_ms"] + list(theirs.get("write_ms", []))
         mine["step_us"] = mine["step_us"] + list(theirs.get("step_us", []))
+        if "held_blocks" in theirs:  # a gauge: the latest value wins
+            mine["held_blocks"] = theirs["held_blocks"]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -58,6 +63,8 @@ class ConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {name: d["counts"].get(name, 0) for name in COUNTS}
         out["write_ms_p50"] = round(_median(d["write_ms"]), 3)
         out["connector_us_per_step_p50"] = round(_median(d["step_us"]), 1)
+        if "held_blocks" in d:
+            out["held_blocks"] = d["held_blocks"]
         return out
 
 
@@ -76,6 +83,14 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
         self._step = self._histogram_cls(
             "neuron_disagg_connector_step_seconds", "time the connector spends on the engine loop per step",
             labelnames=labelnames, buckets=[1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2])
+        role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None) or "unknown"
+        self._role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, role)
+        self._held = self._gauge_cls(
+            "neuron_disagg_held_blocks", "KV blocks the connector holds for transfers (P: handed to the "
+            "writer; D: registered for P's write, or fenced); back to 0 when nothing is in flight",
+            labelnames=[*labelnames, "role"], multiprocess_mode="mostrecent")
+        for labels in per_engine_labelvalues.values():
+            self._held.labels(*labels, self._role).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -88,3 +103,5 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             self._write.labels(*labels).observe(ms / 1e3)
         for us in transfer_stats_data.get("step_us", []):
             self._step.labels(*labels).observe(us / 1e6)
+        if "held_blocks" in transfer_stats_data:
+            self._held.labels(*labels, self._role).set(transfer_stats_data["held_blocks"])

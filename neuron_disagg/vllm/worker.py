@@ -182,16 +182,14 @@ class WorkerSide:
                 self._on_free(tid, offer.block_ids)
                 continue
             self.pull.lend(offer)
-        for reg, frame in step.read:
+        for reg, frames in step.read:
             self._request_of[reg.transfer_id] = reg.request_id
             if self.staging:
                 self._on_failed(reg.transfer_id, f"{PULL_NEEDS_REGISTERED_KV}; use push")
                 self._on_free(reg.transfer_id, reg.block_ids)
                 continue
             try:
-                offer = self.codec.decode(frame)
-                if not isinstance(offer, PullOffer) or offer.transfer_id != reg.transfer_id:
-                    raise MessageError("not the offer for this transfer")
+                offer = self._offer_for(reg.transfer_id, frames)
             except MessageError as exc:  # the request fails now instead of waiting for nothing
                 log.warning("request %s: prefill's offer rejected: %s", reg.request_id, exc)
                 self._totals["messages_rejected"] += 1
@@ -203,6 +201,14 @@ class WorkerSide:
         for tid, _role, reason in step.abort:
             self.thread.abort(tid, reason)
             self.pull.abort(tid, reason)
+
+    def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
+        """The verified offer, among the ones the router carried, for this prompt's transfer."""
+        for frame in frames:
+            offer = self.codec.decode(frame)  # raises on a bad signature, version or schema
+            if isinstance(offer, PullOffer) and offer.transfer_id == transfer_id:
+                return offer
+        raise MessageError(f"none of the {len(frames)} offers is for this prompt's transfer {transfer_id}")
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call; the failed

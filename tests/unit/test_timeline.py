@@ -68,3 +68,14 @@ def test_pull_breakdown_and_cut_lines(tmp_path):
     assert list(parts) == [*timeline.PULL_SEGMENTS, "ttft"]
     assert parts["handoff"] == pytest.approx(0.010) and parts["read"] == pytest.approx(0.020)
     assert parts["ttft"] == pytest.approx(0.080)
+
+
+def test_a_connectors_per_prompt_transfers_join_the_routers_transfer(tmp_path):
+    """The connector names each prompt's transfer ``<request>/<prompt digest>#<attempt>``."""
+    router = {k: v for k, v in PUSH.items() if k.startswith("router")}
+    write(tmp_path, "router", "req.7#0", router)
+    write(tmp_path, "prefill", "req.7/3f2a9c0b11d4#0", {k: v for k, v in PUSH.items() if k.startswith("p_")})
+    write(tmp_path, "decode", "req.7/3f2a9c0b11d4#0", {k: v for k, v in PUSH.items() if k.startswith("d_")})
+    assert list(timeline.load(tmp_path)) == ["req.7#0"]
+    assert timeline.breakdown(timeline.load(tmp_path)["req.7#0"])["ttft"] == pytest.approx(0.1)
+    assert timeline.request_transfer("x.y/ab#3") == "x.y#3" and timeline.request_transfer("plain") == "plain"

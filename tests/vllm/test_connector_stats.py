@@ -40,3 +40,19 @@ def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine():
     for name in COUNTS:
         metrics.observe(payload(**{name: 1}), engine_idx=0)
         assert registry.get_sample_value(f"neuron_disagg_{name}_total", {"engine": "0"}) == 1, name
+
+
+def test_held_blocks_is_a_gauge_that_starts_at_zero_and_follows_the_latest_report():
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"))
+    metrics = ConnectorPromMetrics(config, types, ["engine"], {0: ["0"]})
+    labels = {"engine": "0", "role": "decode"}
+    assert registry.get_sample_value("neuron_disagg_held_blocks", labels) == 0  # exported from the start
+    merged = ConnectorStats({**payload(bytes=1), "held_blocks": 5}).aggregate(ConnectorStats({**payload(), "held_blocks": 2}))
+    assert merged.reduce()["held_blocks"] == 2 and not ConnectorStats({**payload(), "held_blocks": 0}).is_empty()
+    metrics.observe(merged.data)
+    assert registry.get_sample_value("neuron_disagg_held_blocks", labels) == 2
+    metrics.observe({**payload(), "held_blocks": 0})
+    assert registry.get_sample_value("neuron_disagg_held_blocks", labels) == 0
