@@ -94,9 +94,10 @@ wait_healthy() {  # URL NAME PID: poll /health until it answers, the process die
 # 5. P on core 0 and D on core 1 (VLLM_CPU_OMP_THREADS_BIND pins vLLM's threads; two unpinned
 #    instances fight over both cores). `neuron-disagg serve` checks the config and the secret and
 #    execs `vllm serve` with the KV connector configured; everything after `--` goes to vLLM.
-#    --block-size 32 is required on CPU.
+#    --block-size 32 is required on CPU; --dtype float32 keeps vllm-cpu off its bf16 AMX attention
+#    kernels, which killed the worker with SIGILL on AMX machines (see local_cluster.CPU_DTYPE).
 vllm_args=(--host 127.0.0.1 --served-model-name tiny --max-model-len 2048 --block-size 32
-  --kv-cache-memory-bytes 268435456 --enforce-eager --disable-uvicorn-access-log)
+  --dtype float32 --kv-cache-memory-bytes 268435456 --enforce-eager --disable-uvicorn-access-log)
 VLLM_CPU_OMP_THREADS_BIND=0 setsid neuron-disagg serve prefill "$MODEL" --config "$work/prefill.yaml" \
   -- "${vllm_args[@]}" --port "$P_PORT" > "$work/prefill.log" 2>&1 &
 p_pid=$!

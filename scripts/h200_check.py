@@ -1,0 +1,324 @@
+"""H200 device check: the project's own transfer layer moving GPU memory between processes on one GPU.
+
+    python scripts/h200_check.py              # a CUDA host: NIXL UCX, KV in VRAM (cuda:0)
+    python scripts/h200_check.py --dry-run    # anywhere: host memory for VRAM, an emulated device queue
+
+Each P and D rank is its own process with KV laid out as vLLM 0.29+'s LBHNC hands it a connector (one
+buffer, per-layer (blocks, heads, tokens, K|V) views), described by the connector's own geometry
+reading, moved by the real push writer and receiver threads over NIXL with signed side channels:
+
+1. platform: selection picks CUDA (CPU in the dry run);
+2. push: P's blocks land in D's byte for byte;
+3. P fence: P's KV is written by device work queued behind a delay (a sleeping kernel) just before
+   P hands it to its writer; with the platform's fence D gets the new KV, and a control run without
+   the fence must show the race (D gets what was there before);
+4. D fence: D's engine zeroes fresh blocks behind a delay on its stream before registering them;
+   with the fence P's write lands after the zeroing, and the control run shows it overwritten;
+5. tensor parallelism: P TP 1 -> D TP 2 and P TP 2 -> D TP 1, each byte-exact.
+
+Prints a line per check and a JSON summary last; exits 1 if any check fails. Needs torch, numpy,
+msgspec and NIXL (nixl-cu13 on CUDA 13); nothing else of the package's dependencies. See the
+README's "H200 device check" for bringing NIXL's wheel to a host without network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS, BLOCKS, TOKENS, HEAD_SIZE, TOTAL_HEADS = 4, 32, 16, 64, 4
+DELAY_S = 2.0  # how long queued device work waits: far longer than a write on one GPU
+
+
+# -- one rank, in its own process -----------------------------------------------------------------------
+class DeviceQueue:
+    """Device work queued behind a delay, and a fence for it: on CUDA a sleeping kernel on the
+    current stream and the platform's own fence; in the dry run a worker thread standing in for the
+    device's queue, and a fence that waits for it to drain."""
+
+    def __init__(self, torch, device, platform):
+        self.torch, self.device, self.platform = torch, device, platform
+        if device.type == "cpu":
+            self.work: queue.Queue = queue.Queue()
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            delay, fn = self.work.get()
+            time.sleep(delay)
+            fn()
+            self.work.task_done()
+
+    def later(self, delay_s: float, fn) -> None:
+        if self.device.type == "cpu":
+            self.work.put((delay_s, fn))
+            return
+        self.torch.cuda._sleep(int(delay_s * 2e9))  # ~2 GHz: H200's SM clock under load
+        fn()
+
+    def fence(self):
+        from neuron_disagg.platforms.fence import CallbackFence
+        return CallbackFence(self.work.join) if self.device.type == "cpu" else self.platform.wait_for_kv()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cpu":
+            self.work.join()
+        else:
+            self.torch.cuda.synchronize(self.device)
+
+
+def expected(torch, layer: int, heads: range, blocks: int, seed: int):
+    """The logical KV (heads, positions, K|V) of a request of ``blocks`` blocks."""
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    full = torch.randn(TOTAL_HEADS, blocks * TOKENS, 2 * HEAD_SIZE, generator=gen).to(torch.bfloat16)
+    return full[heads.start:heads.stop]
+
+
+def rank_main(spec: dict, conn) -> None:
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from neuron_disagg.platforms import select_platform
+    from neuron_disagg.platforms.fence import ReadyFence
+    from neuron_disagg.platforms.kv_layout import VLLM_LAYER_VIEW, KVGeometry, regions_from_kv_caches
+    from neuron_disagg.protocol import (
+        AgentInfo, AgentInfoRequest, ConsumerCore, ConsumerTimeouts, ProducerCore, ProducerTimeouts, RankRegions,
+        Registration, TransferId, WireCodec,
+    )
+    from neuron_disagg.protocol.plan import rank_heads
+    from neuron_disagg.transfer.peers import Peers
+    from neuron_disagg.transfer.receiver import PushReceiver
+    from neuron_disagg.transfer.side_channel import SideChannelClient, SideChannelServer
+    from neuron_disagg.transfer.transport import NixlTransport, region_spans
+    from neuron_disagg.transfer.writer import PushWriter
+
+    role, rank, tp, dry = spec["role"], spec["rank"], spec["tp"], spec["dry_run"]
+    platform, reason = select_platform("cpu" if dry else "auto")
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    first, heads = rank_heads(rank, tp, TOTAL_HEADS)
+    buffer = torch.zeros(LAYERS, BLOCKS, heads, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16, device=device)
+    caches = {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(LAYERS)}  # LBHNC per-layer views
+    regions = regions_from_kv_caches(caches, dict.fromkeys(caches, VLLM_LAYER_VIEW),
+                                     KVGeometry(TOKENS, rank, tp, TOTAL_HEADS))
+    platform.use_kv_device(device)
+    device_queue = DeviceQueue(torch, device, platform)
+    codec = WireCodec(bytes.fromhex(spec["secret"]))
+    agent = f"{role}{rank}-{os.getpid()}"
+    transport = NixlTransport(agent, "UCX", platform.memory_type)
+    transport.register(regions)
+    address = f"127.0.0.1:{spec['port']}"
+    peers = Peers(transport, SideChannelClient(codec), address, agent)
+    events: queue.Queue = queue.Queue()
+    if role == "prefill":
+        core = ProducerCore(regions, rank, tp, ProducerTimeouts(30, 10, 60, 0.5, 60), total_heads=TOTAL_HEADS)
+        thread = PushWriter(core, transport, codec, peers, lambda tid, blocks: events.put(("free", tid)))
+    else:
+        core = ConsumerCore(address, rank, tp, ConsumerTimeouts(60, 60, 1, 10, 0.5, 60), total_heads=TOTAL_HEADS)
+        thread = PushReceiver(core, transport, codec, peers, lambda tid: events.put(("loaded", tid)),
+                              lambda tid, why: events.put(("failed", tid, why)), lambda tid, blocks: None)
+
+    def on_message(message):
+        if isinstance(message, AgentInfoRequest):
+            return AgentInfo(rank, agent, transport.metadata(), tuple((s.addr, s.length) for s in region_spans(regions)))
+        thread.deliver(message)
+        return None
+
+    server = SideChannelServer("127.0.0.1", spec["port"] + rank, codec, on_message, agent).start()
+    thread.start()
+    conn.send({"platform": platform.name, "reason": reason, "memory": platform.memory_type,
+               "backends": transport.loaded_backends(), "device": str(device)})
+
+    def blocks_of(layer: int, block_ids):
+        return [caches[f"model.layers.{layer}.self_attn.attn"][b] for b in block_ids]  # (heads, tokens, K|V)
+
+    def write(block_ids, seed):
+        for layer in range(LAYERS):
+            data = expected(torch, layer, range(first, first + heads), len(block_ids), seed).to(device)
+            for i, view in enumerate(blocks_of(layer, block_ids)):
+                view.copy_(data[:, i * TOKENS:(i + 1) * TOKENS])
+
+    while True:
+        cmd = conn.recv()
+        op = cmd["op"]
+        tid = TransferId(cmd["tid"]) if "tid" in cmd else None
+        if op == "fill":  # now, or (delay) by device work queued behind a sleeping kernel
+            if cmd.get("delay_s"):
+                device_queue.later(cmd["delay_s"], lambda c=cmd: write(c["blocks"], c["seed"]))
+            else:
+                write(cmd["blocks"], cmd["seed"])
+                device_queue.synchronize()
+            conn.send({})
+        elif op == "kv_ready":  # the fence recorded now covers the fill queued before it
+            thread.kv_ready(tid, tuple(cmd["blocks"]), device_queue.fence() if cmd["fenced"] else ReadyFence())
+            conn.send({})
+        elif op == "register":  # D: expect the transfer, then register its fresh blocks
+            thread.expect(tid, cmd["p_address"], cmd["p_tp"])
+            if cmd.get("zero_delay_s"):  # the engine zeroes new blocks on its stream first
+                device_queue.later(cmd["zero_delay_s"],
+                                   lambda c=cmd: [v.zero_() for layer in range(LAYERS) for v in blocks_of(layer, c["blocks"])])
+            fence = device_queue.fence() if cmd["fenced"] else ReadyFence()
+            thread.allocated(Registration(tid, agent, f"d-{tid.request}", address, tp,
+                                          (RankRegions(rank, agent, regions),), tuple(cmd["blocks"]), 0, 0.0), fence)
+            conn.send({})
+        elif op == "wait":
+            try:
+                event = events.get(timeout=cmd["within_s"])
+            except queue.Empty:
+                event = ("timeout",)
+            conn.send({"event": [str(x) for x in event]})
+        elif op == "check":  # D's blocks, through the layer views, against P's KV for our heads
+            device_queue.synchronize()
+            wrong = 0
+            for layer in range(LAYERS):
+                want = expected(torch, layer, range(first, first + heads), len(cmd["blocks"]), cmd["seed"])
+                for i, view in enumerate(blocks_of(layer, cmd["blocks"])):
+                    wrong += not torch.equal(view.cpu(), want[:, i * TOKENS:(i + 1) * TOKENS])
+            conn.send({"wrong_blocks": wrong, "of": LAYERS * len(cmd["blocks"])})
+        elif op == "stop":
+            thread.shutdown()
+            server.close()
+            transport.close()
+            conn.send({})
+            return
+
+
+# -- the checks, driven from here ------------------------------------------------------------------------
+class Rank:
+    def __init__(self, ctx, **spec):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=rank_main, args=(spec, child), daemon=True)
+        self.process.start()
+        self.info = self._recv(300)
+        self.address = f"127.0.0.1:{spec['port']}"
+
+    def _recv(self, timeout_s: float):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("a rank process did not answer in time")
+        return self.conn.recv()
+
+    def __call__(self, op: str, timeout_s: float = 120, **kw) -> dict:
+        self.conn.send({"op": op, **kw})
+        return self._recv(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self("stop", timeout_s=30)
+        except Exception:
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Instances:
+    """P ranks and D ranks (each rank listening on its instance's base port + rank)."""
+
+    def __init__(self, ctx, dry_run: bool, secret: str, p_tp: int, d_tp: int):
+        p_port, d_port = free_port(), free_port()
+        common = {"dry_run": dry_run, "secret": secret}
+        self.p = [Rank(ctx, role="prefill", rank=r, tp=p_tp, port=p_port, **common) for r in range(p_tp)]
+        self.d = [Rank(ctx, role="decode", rank=r, tp=d_tp, port=d_port, **common) for r in range(d_tp)]
+        self.p_tp = p_tp
+
+    def push(self, tid: str, src, dst, seed: int, *, p_delay_s=0.0, p_fenced=True, d_zero_delay_s=0.0,
+             d_fenced=True, register_first=True) -> list[dict]:
+        """One request from every P rank into every D rank; each D rank's check of its blocks."""
+        def prefill():
+            for p in self.p:
+                p("fill", blocks=src, seed=seed, delay_s=p_delay_s)
+                p("kv_ready", tid=tid, blocks=src, fenced=p_fenced)
+
+        def register():
+            for d in self.d:
+                d("register", tid=tid, blocks=dst, p_address=self.p[0].address, p_tp=self.p_tp,
+                  zero_delay_s=d_zero_delay_s, fenced=d_fenced)
+
+        if register_first:
+            register()
+            time.sleep(1.0)  # the registrations are at P: the write starts the moment P hands over
+            prefill()
+        else:
+            prefill()
+            register()
+        events = [d("wait", within_s=60)["event"] for d in self.d]
+        checks = [d("check", blocks=dst, seed=seed) for d in self.d]
+        return [{"event": e, **c} for e, c in zip(events, checks)]
+
+    def stop(self):
+        for rank in self.p + self.d:
+            rank.stop()
+
+
+def exact(results: list[dict]) -> bool:
+    return all(r["event"][0] == "loaded" and r["wrong_blocks"] == 0 for r in results)
+
+
+def run(dry_run: bool) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    secret = secrets.token_hex(32)
+    checks: list[dict] = []
+
+    def record(name: str, ok: bool, **detail) -> None:
+        checks.append({"check": name, "ok": ok, **detail})
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {json.dumps(detail)}", flush=True)
+
+    pair = Instances(ctx, dry_run, secret, 1, 1)
+    try:
+        info = pair.p[0].info
+        want = "cpu" if dry_run else "cuda"
+        record("platform", info["platform"] == want and "UCX" in info["backends"]
+               and info["memory"] == ("DRAM" if dry_run else "VRAM"), **info)
+        first = pair.push("warm-up", [3, 4, 5], [7, 8, 9], seed=1)
+        record("push byte-exact", exact(first), ranks=first)
+        fenced = pair.push("p-fenced", [10, 11], [12, 13], seed=2, p_delay_s=DELAY_S)
+        control = pair.push("p-unfenced", [14, 15], [16, 17], seed=3, p_delay_s=DELAY_S, p_fenced=False)
+        record("P fence: KV written behind a delayed kernel", exact(fenced) and not exact(control),
+               fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
+        fenced = pair.push("d-fenced", [18, 19], [20, 21], seed=4, d_zero_delay_s=DELAY_S, register_first=False)
+        control = pair.push("d-unfenced", [22, 23], [24, 25], seed=5, d_zero_delay_s=DELAY_S, d_fenced=False,
+                            register_first=False)
+        record("D fence: fresh blocks zeroed behind a delay", exact(fenced) and not exact(control),
+               fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
+    finally:
+        pair.stop()
+    for p_tp, d_tp in ((1, 2), (2, 1)):
+        group = Instances(ctx, dry_run, secret, p_tp, d_tp)
+        try:
+            results = group.push(f"tp-{p_tp}-{d_tp}", [2, 3, 4, 5], [9, 10, 11, 12], seed=6 + p_tp)
+            record(f"TP {p_tp} -> {d_tp}, LBHNC", exact(results), ranks=results)
+        finally:
+            group.stop()
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="host memory in place of VRAM (any machine)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    checks = run(args.dry_run)
+    ok = all(c["ok"] for c in checks)
+    print(json.dumps({"ok": ok, "dry_run": args.dry_run, "seconds": round(time.monotonic() - started, 1),
+                      "checks": checks}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
