@@ -91,7 +91,7 @@ class SchedulerSide:
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
         self.rejected = 0  # requests whose kv_transfer_params we could not honour
         self._step = StepMetadata()
-        self._held_reported: int | None = None
+        self._held_changed = True  # a leg started or stopped holding blocks since the last report
 
     def _leg(self, request) -> Leg | None:
         leg = self.legs.get(request.request_id)
@@ -128,6 +128,7 @@ class SchedulerSide:
 
     def _forget(self, leg: Leg) -> None:
         del self.legs[leg.request_id]
+        self._held_changed |= leg.state in HOLDING
         if self.owner.get(leg.key) == leg.request_id:
             del self.owner[leg.key]
             self.offered.pop(leg.key, None)
@@ -166,7 +167,7 @@ class SchedulerSide:
             self._step.register.append(registration)
         else:  # the worker picks the offer for this prompt's transfer
             self._step.read.append((registration, tuple(base64.b64decode(o) for o in leg.params.offers)))
-        leg.state = LegState.LOADING
+        leg.state, self._held_changed = LegState.LOADING, True
         self.timeline.mark(leg.key, "d_allocated")
 
     # -- both ------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class SchedulerSide:
                 self._forget(leg)
                 return False, answer
             if finished:
-                leg.state, leg.block_ids = LegState.HANDED_OFF, tuple(block_ids)
+                leg.state, leg.block_ids, self._held_changed = LegState.HANDED_OFF, tuple(block_ids), True
                 self.owner[tid] = request.request_id
                 self.timeline.mark(tid, "p_kv_ready")
                 if leg.params.mode == "push":
@@ -239,9 +240,8 @@ class SchedulerSide:
 
     def held_blocks(self) -> int | None:
         """Blocks held for transfers now (P: handed to the writer; D: registered or fenced), when
-        that changed since the last call; None when it did not."""
-        held = sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
-        if held == self._held_reported:
+        that may have changed since the last call (so idle steps cost nothing); else None."""
+        if not self._held_changed:
             return None
-        self._held_reported = held
-        return held
+        self._held_changed = False
+        return sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
