@@ -42,6 +42,16 @@ def test_wait_for_kv_records_an_event_the_writer_waits_on(host, fake_torch):
     assert FakeEvent.instances[-1].recorded_on == "s1"
 
 
+def test_host_staging_is_off_on_cuda_unless_asked_for(host, fake_torch):
+    """A failed VRAM registration on a GPU is a fault to see at start-up, not one to hide behind
+    host copies; only Neuron, where some runtimes cannot register device memory, stages by default."""
+    root, _ = host("none")
+    cuda, _ = select_platform("cuda", root=root)
+    cpu, _ = select_platform("cpu", root=root)
+    assert cuda.host_staging(None) == "never" and cpu.host_staging(None) == "never"
+    assert cuda.host_staging("auto") == "auto" and cuda.host_staging("always") == "always"
+
+
 def test_gpu_affinity_from_pci(tmp_path, fake_torch):
     from . import fake_sysfs
     from cuda_compat import CudaPlatform
