@@ -31,3 +31,16 @@ def routed(cluster):
 
     with started(cluster) as instance:
         yield instance
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_held(request):
+    """After every test on a vLLM cluster: P's and D's KV blocks back to none in use, and the
+    connector's held-blocks gauge back to 0 (a leak fails the test that made it)."""
+    yield
+    if "cluster" in request.fixturenames:
+        from .vllm_cluster import D_BOUND_S, TIMEOUTS, blocks_back, nothing_held
+
+        cluster = request.getfixturevalue("cluster")
+        blocks_back(cluster, timeout_s=D_BOUND_S + TIMEOUTS["lease_s"])
+        nothing_held(cluster)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from .vllm_cluster import D_BOUND_S, TIMEOUTS, blocks_back, metric, prompt, run, wait_for  # noqa: E402
+from .vllm_cluster import D_BOUND_S, TIMEOUTS, blocks_back, metric, nothing_held, prompt, run, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 MODES = ("push", "pull")
@@ -159,17 +159,6 @@ def test_legs_that_disagree_end_within_the_bound_and_free_everything(cluster):
              "P freeing the prompt no D asked for, at its lease's end")
     blocks_back(cluster)
     nothing_held(cluster)
-
-
-def nothing_held(cluster) -> None:
-    """The connector's own gauge on each instance's /metrics comes back to no held blocks."""
-    for instance in (cluster.p, cluster.d):
-        def held():
-            lines = [line for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines()
-                     if line.startswith("neuron_disagg_held_blocks{")]
-            assert lines, f"{instance.name} exports no neuron_disagg_held_blocks"
-            return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-        wait_for(lambda: held() == 0, 15, f"{instance.name}'s neuron_disagg_held_blocks back to 0")
 
 
 PROMPTS = st.one_of(

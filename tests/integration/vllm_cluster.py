@@ -152,3 +152,14 @@ def metric(instance, name: str) -> float:
         if line.startswith(name) and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def nothing_held(cluster: Cluster, timeout_s: float = 15) -> None:
+    """The connector's own gauge on each instance's /metrics comes back to no held blocks."""
+    for instance in (cluster.p, cluster.d):
+        def held():
+            lines = [line for line in httpx.get(f"{instance.url}/metrics", timeout=5).text.splitlines()
+                     if line.startswith("neuron_disagg_held_blocks{")]
+            assert lines, f"{instance.name} exports no neuron_disagg_held_blocks"
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+        wait_for(lambda: held() == 0, timeout_s, f"{instance.name}'s neuron_disagg_held_blocks back to 0")
