@@ -57,6 +57,10 @@ class Config(BaseModel):
         "see, not one to hide behind slow host copies); push mode only")
     host_staging_blocks: int | None = Field(
         None, ge=1, description="host slots per rank when staging (default: a quarter of the KV blocks)")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="when KV cannot arrive (P dead or hung, a write failed, the watchdog "
+        "fired), D computes the prompt itself (recompute) or the request fails (fail); `serve` sets "
+        "vLLM's kv_load_failure_policy from it")
     timeline_dir: Path | None = Field(None, description="append per-transfer timestamps here (for the "
                                       "TTFT breakdown of the demo and the benchmark); off when unset")
 

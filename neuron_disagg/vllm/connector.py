@@ -55,7 +55,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(self.config, _ROLES[transfer.kv_role], transfer.engine_id,
                                           get_tensor_model_parallel_rank(),
                                           vllm_config.parallel_config.tensor_parallel_size,
-                                          total_heads=1 if model.use_mla else model.get_total_num_kv_heads())
+                                          total_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+                                          recompute=getattr(transfer, "kv_load_failure_policy", "fail") == "recompute")
         self._failed_blocks: set[int] = set()  # vLLM < 0.32: this step's failed loads, as their blocks
 
     # -- scheduler side (engine-core process, engine loop) --------------------------------------------

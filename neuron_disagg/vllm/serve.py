@@ -28,6 +28,7 @@ def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) 
         "kv_connector": "NeuronDisaggConnector",
         "kv_connector_module_path": "neuron_disagg.vllm.connector",
         "kv_role": ROLES[role],
+        "kv_load_failure_policy": config.kv_load_failure_policy,
         "kv_buffer_device": "cpu",
         "engine_id": engine_id or f"{role}-{uuid.uuid4().hex[:12]}",
         "kv_connector_extra_config": extra,

@@ -28,7 +28,7 @@ COUNTS = {
 
 
 def empty() -> dict[str, Any]:
-    return {"counts": {}, "failures": {}, "write_ms": [], "step_us": []}
+    return {"counts": {}, "failures": {}, "recomputed": {}, "write_ms": [], "step_us": []}
 
 
 def _median(values: list[float]) -> float:
@@ -45,13 +45,14 @@ class ConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (any(d["counts"].values()) or d["failures"] or d["write_ms"] or d["step_us"]
-                    or "held_blocks" in d)
+        return not (any(d["counts"].values()) or d["failures"] or d.get("recomputed") or d["write_ms"]
+                    or d["step_us"] or "held_blocks" in d)
 
     def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
         mine, theirs = self.data, other.data
         mine["counts"] = dict(Counter(mine["counts"]) + Counter(theirs.get("counts", {})))
         mine["failures"] = dict(Counter(mine["failures"]) + Counter(theirs.get("failures", {})))
+        mine["recomputed"] = dict(Counter(mine.get("recomputed", {})) + Counter(theirs.get("recomputed", {})))
         mine["write_ms"] = mine["write_ms"] + list(theirs.get("write_ms", []))
         mine["step_us"] = mine["step_us"] + list(theirs.get("step_us", []))
         if "held_blocks" in theirs:  # a gauge: the latest value wins
@@ -63,6 +64,7 @@ class ConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {name: d["counts"].get(name, 0) for name in COUNTS}
         out["write_ms_p50"] = round(_median(d["write_ms"]), 3)
         out["connector_us_per_step_p50"] = round(_median(d["step_us"]), 1)
+        out["recomputed"] = sum(d.get("recomputed", {}).values())
         if "held_blocks" in d:
             out["held_blocks"] = d["held_blocks"]
         return out
@@ -77,6 +79,9 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
                         for name, doc in COUNTS.items()}
         self._failures = self._counter_cls("neuron_disagg_failures", "failed transfers by reason",
                                            labelnames=[*labelnames, "reason"])
+        self._recomputed = self._counter_cls(
+            "neuron_disagg_recomputed", "D: requests whose KV did not arrive and that D computed itself, by reason "
+            "(kv_load_failure_policy: recompute)", labelnames=[*labelnames, "reason"])
         self._write = self._histogram_cls(
             "neuron_disagg_write_seconds", "P: submit to every WRITE complete", labelnames=labelnames,
             buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5])
@@ -99,6 +104,8 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
                 self._counts[name].labels(*labels).inc(value)
         for reason, value in transfer_stats_data.get("failures", {}).items():
             self._failures.labels(*labels, reason).inc(value)
+        for reason, value in transfer_stats_data.get("recomputed", {}).items():
+            self._recomputed.labels(*labels, reason).inc(value)
         for ms in transfer_stats_data.get("write_ms", []):
             self._write.labels(*labels).observe(ms / 1e3)
         for us in transfer_stats_data.get("step_us", []):

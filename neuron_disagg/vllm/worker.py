@@ -42,13 +42,14 @@ PULL_NEEDS_REGISTERED_KV = "pull reads device memory directly, and this instance
 
 class WorkerSide:
     def __init__(self, config: Config, role: str, engine_id: str, tp_rank: int, tp_size: int,
-                 total_heads: int | None = None):
+                 total_heads: int | None = None, recompute: bool = False):
         if role not in ("prefill", "decode"):
             raise ValueError("neuron-disagg runs an instance as prefill (kv_producer) or decode "
                              f"(kv_consumer), not {role!r}")
         self.config, self.role, self.engine_id = config, role, engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.total_heads = total_heads  # the model's KV heads (1 with MLA): ranks may hold replicas
+        self.recompute = recompute  # vLLM's kv_load_failure_policy: a failed load is computed locally
         self.codec = WireCodec(config.load_secret(), config.max_message_bytes)
         self.agent_name = f"{engine_id}-rank{tp_rank}"
         self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
@@ -285,7 +286,10 @@ class WorkerSide:
         step_us, self.step_us = self.step_us, []
         if not (counts or new_failures or write_ms or step_us):
             return None
-        return {"counts": counts, "failures": new_failures, "write_ms": write_ms, "step_us": step_us}
+        # D under the recompute policy: every load that failed went back to vLLM to compute.
+        recomputed = new_failures if self.role == "decode" and self.recompute else {}
+        return {"counts": counts, "failures": new_failures, "recomputed": recomputed, "write_ms": write_ms,
+                "step_us": step_us}
 
     def handshake(self) -> RankHandshake:
         return RankHandshake(self.rank_regions)

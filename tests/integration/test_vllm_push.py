@@ -83,25 +83,54 @@ def test_client_aborts_before_registration_during_transfer_and_decode(cluster):
     assert got == want
 
 
-def test_decode_leg_without_a_live_prefill_fails_within_the_watchdog_bound(cluster):
-    """P is gone (nothing listens on its side channel): the client gets an error, not a hang."""
-    async def scenario():
-        _, d_body = legs(cluster, prompt(40, 13), 8, p_side=free_port())
-        async with httpx.AsyncClient(timeout=60) as client:
-            start = time.monotonic()
-            r = await client.post(f"{cluster.d.url}/v1/completions", json=d_body)
-            return r, time.monotonic() - start
-
-    response, elapsed = run(scenario())
-    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
-    assert failed, response.text
+def test_decode_leg_without_a_live_prefill_is_recomputed_within_the_watchdog_bound(cluster):
+    """P is gone (nothing listens on its side channel): D computes the prompt itself once its
+    watchdog gives up on P (kv_load_failure_policy: recompute, the default) — monolithic's answer,
+    not an error and not a hang — and counts it."""
+    text = prompt(40, 13)
+    before = metric(cluster.d, "neuron_disagg_recomputed_total")
+    response, elapsed = run(_decode_alone(cluster, cluster.d, text))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == run(_reference(cluster, text, 8))
     assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_recomputed_total") > before, 30, "D counting the recompute")
     blocks_back(cluster)
 
 
-def test_prefill_killed_after_the_registration_reached_it_fails_the_client_within_the_bound(cluster):
+async def _decode_alone(c, decode, text: str) -> tuple[httpx.Response, float]:
+    _, d_body = legs(c, text, 8, p_side=free_port())
+    async with httpx.AsyncClient(timeout=60) as client:
+        start = time.monotonic()
+        r = await client.post(f"{decode.url}/v1/completions", json=d_body)
+        return r, time.monotonic() - start
+
+
+async def _reference(c, text: str, max_tokens: int) -> str:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await reference(c, client, text, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def failing_decode(cluster):
+    """A decode instance with kv_load_failure_policy: fail."""
+    instance = cluster.instance("decode", free_port(), "1", {**TIMEOUTS, "kv_load_failure_policy": "fail"}).start()
+    try:
+        yield instance.wait_ready()
+    finally:
+        instance.stop()
+
+
+def test_with_the_fail_policy_the_client_gets_an_error_within_the_watchdog_bound(cluster, failing_decode):
+    response, elapsed = run(_decode_alone(cluster, failing_decode, prompt(40, 15)))
+    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
+    assert failed, response.text
+    assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
+    wait_for(lambda: kv_usage(failing_decode) == 0.0, 20, "the failing D's KV usage back to 0")
+
+
+def test_prefill_killed_after_the_registration_reached_it_is_recomputed_within_the_bound(cluster):
     """kill -9 of a P holding D's registration (its prefill leg never sent, so nothing can deliver
-    the KV by chance): D fails the request within watchdog + fence and the client gets an error."""
+    the KV by chance): D gives up on P within watchdog + fence and computes the prompt itself."""
     marks = tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
     side = free_port()
     doomed = cluster.instance("prefill", side, "0", {**PATIENT, "timeline_dir": marks}).start()
@@ -123,8 +152,8 @@ def test_prefill_killed_after_the_registration_reached_it_fails_the_client_withi
         response, elapsed = run(scenario())
     finally:
         doomed.stop()
-    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
-    assert failed, response.text
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == run(_reference(cluster, prompt(60, 14), 8))
     assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s after the kill, bound {D_BOUND_S} s"
     blocks_back(cluster)
 
