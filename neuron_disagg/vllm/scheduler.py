@@ -126,6 +126,10 @@ class SchedulerSide:
         leg = self.legs.get(request_id) if request_id is not None else None
         return leg is not None and leg.state in (LegState.WAITING_FOR_BLOCKS, LegState.LOADING)
 
+    def _move(self, leg: Leg, state: LegState) -> None:
+        self._held_changed |= (leg.state in HOLDING) != (state in HOLDING)
+        leg.state = state
+
     def _forget(self, leg: Leg) -> None:
         del self.legs[leg.request_id]
         self._held_changed |= leg.state in HOLDING
@@ -167,7 +171,7 @@ class SchedulerSide:
             self._step.register.append(registration)
         else:  # the worker picks the offer for this prompt's transfer
             self._step.read.append((registration, tuple(base64.b64decode(o) for o in leg.params.offers)))
-        leg.state, self._held_changed = LegState.LOADING, True
+        self._move(leg, LegState.LOADING)
         self.timeline.mark(leg.key, "d_allocated")
 
     # -- both ------------------------------------------------------------------------------------------
@@ -186,7 +190,8 @@ class SchedulerSide:
                 self._forget(leg)
                 return False, answer
             if finished:
-                leg.state, leg.block_ids, self._held_changed = LegState.HANDED_OFF, tuple(block_ids), True
+                leg.block_ids = tuple(block_ids)
+                self._move(leg, LegState.HANDED_OFF)
                 self.owner[tid] = request.request_id
                 self.timeline.mark(tid, "p_kv_ready")
                 if leg.params.mode == "push":
@@ -205,7 +210,7 @@ class SchedulerSide:
             # vLLM holds the blocks until our worker reports this request finished receiving,
             # which it does only once P confirmed or the fence passed (I2).
             self._step.abort.append((tid, "decode", "decode request aborted"))
-            leg.state = LegState.ABORTING
+            self._move(leg, LegState.ABORTING)
             return False, None
         if leg.state is LegState.WAITING_FOR_BLOCKS:
             self._step.abort.append((tid, "decode", "decode request aborted before it had blocks"))
@@ -226,7 +231,7 @@ class SchedulerSide:
             if leg.state is LegState.ABORTING:
                 self._forget(leg)
             else:
-                leg.state = LegState.FAILED if request_id in failed else LegState.LOADED
+                self._move(leg, LegState.FAILED if request_id in failed else LegState.LOADED)
                 if leg.state is LegState.LOADED:
                     self.timeline.mark(leg.key, "d_loaded")
         for request_id in output.finished_sending or ():

@@ -107,3 +107,17 @@ def test_a_pull_decode_takes_several_offers():
     d.update_state_after_alloc(r, blocks(5, 6, 7), 40)
     (read,) = d.build_connector_meta(None).read
     assert read[1] == (b"\0\0\0", b"\1\2\3")
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["loaded", "failed"])
+def test_a_finished_load_stops_holding_while_its_request_decodes(failed):
+    d = SchedulerSide(BLOCK)
+    r = request("0", A, PUSH_D)
+    d.get_num_new_matched_tokens(r, 0)
+    d.update_state_after_alloc(r, blocks(5, 6, 7), 40)
+    assert d.held_blocks() == 3
+    d.update_connector_output(output(recving={"0"}, failed={"0"} if failed else ()))
+    assert "0" in d.legs  # the request still runs: vLLM owns its blocks now, we hold none
+    assert d.held_blocks() == 0
+    d.request_finished(r, [5, 6, 7])
+    assert d.held_blocks() is None and not d.legs
