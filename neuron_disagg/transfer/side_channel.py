@@ -1,18 +1,22 @@
 """Our side channel: signed protocol messages over TCP between P and D ranks.
 
 Frames are a 4-byte big-endian length followed by a ``WireCodec`` frame. Each rank of an instance
-listens on ``port + tp_rank``. A server thread accepts connections and hands every verified message
-to ``on_message``; if that returns a message, it is written back on the same connection (used for
-the agent-metadata handshake). Rejected frames are counted by reason and never reach a core.
+listens on ``port + tp_rank``. One server thread serves every connection and hands each verified
+message to ``on_message`` (which must not block); if that returns a message, it is written back on
+the same connection (used for the agent-metadata handshake). Rejected frames and connections are
+counted by reason and never reach a core.
 """
 
 from __future__ import annotations
 
 import logging
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..protocol.errors import MessageError, OversizeMessage
@@ -53,80 +57,185 @@ def write_frame(sock: socket.socket, frame: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(frame)) + frame)
 
 
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    verify_by: float  # monotonic deadline for the first verified frame
+    verified: bool = False
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)
+
+
 class SideChannelServer:
-    """Listens on one rank's address; one short-lived thread per connected peer."""
+    """Listens on one rank's address and serves every connection from one thread.
+
+    A hostile or broken client costs a bounded amount: a connection holds no thread, at most
+    ``max_unverified`` connections may wait for their first verified frame (the oldest is closed
+    to make room), each gets ``first_frame_s`` to send one of at most 1 MiB, and at most ``max_connections`` are
+    open at once. A verified connection (a peer holding the deployment secret) stays open.
+    """
 
     def __init__(self, host: str, port: int, codec: WireCodec,
-                 on_message: Callable[[Message], Message | None], name: str = "side-channel"):
+                 on_message: Callable[[Message], Message | None], name: str = "side-channel", *,
+                 max_connections: int = 4096, max_unverified: int = 128, first_frame_s: float = 10.0):
         self.codec = codec
         self.on_message = on_message
         self.rejected: Counter[str] = Counter()
+        self.max_connections, self.max_unverified, self.first_frame_s = max_connections, max_unverified, first_frame_s
+        # A first frame is a registration, a heartbeat or a handshake: far below this. It bounds
+        # what unverified connections can make us buffer to max_unverified MiB.
+        self._first_frame_bytes = min(codec.max_message_bytes, 1 << 20)
         try:
-            self._sock = socket.create_server((host, port), reuse_port=False)
+            self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         except OSError as e:
             raise OSError(e.errno, f"side channel cannot listen on {host}:{port} ({e.strerror}); "
                                    "set side_channel_port in the config to a free port (each TP rank "
                                    "uses port + rank)") from e
+        self._sock.setblocking(False)
         self.address = "%s:%d" % self._sock.getsockname()[:2]
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name=f"neuron-disagg-{name}", daemon=True)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._conns: dict[socket.socket, _Connection] = {}
+        self._unverified: dict[socket.socket, _Connection] = {}  # insertion order: oldest first
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"neuron-disagg-{name}", daemon=True)
 
     def start(self) -> "SideChannelServer":
         self._thread.start()
         return self
 
-    def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"{self._thread.name}-conn").start()
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _run(self) -> None:
         try:
-            while True:
-                frame = read_frame(conn, self.codec.max_message_bytes)
-                if frame is None:
-                    return
-                try:
-                    message = self.codec.decode(frame)
-                except MessageError as exc:
-                    self.rejected[exc.reason] += 1
-                    log.warning("side channel rejected a message: %s", exc)
-                    continue
-                reply = self.on_message(message)
-                if reply is not None:
-                    write_frame(conn, self.codec.encode(reply))
-        except OversizeMessage as exc:
-            self.rejected[exc.reason] += 1
-            log.warning("side channel closed a connection: %s", exc)
-        except OSError:
-            return
+            while not self._closing:
+                for key, events in self._selector.select(timeout=min(1.0, self.first_frame_s / 4)):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r and key.fileobj in self._conns:
+                        conn = self._conns[key.fileobj]
+                        if events & selectors.EVENT_READ:
+                            self._read(conn)
+                        if events & selectors.EVENT_WRITE and conn.sock in self._conns:
+                            self._flush(conn)
+                self._expire(time.monotonic())
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            for conn in list(self._conns.values()):
+                self._close(conn)
+            self._selector.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a flood of connections must not starve the peers already connected
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: refuse until some close
+                self.rejected["accept_failed"] += 1
+                return
+            if len(self._conns) >= self.max_connections:
+                self.rejected["connection_limit"] += 1
+                sock.close()
+                continue
+            while len(self._unverified) >= self.max_unverified:
+                oldest = next(iter(self._unverified.values()))
+                self._read(oldest)  # a peer's frame already waiting in the kernel verifies it
+                if oldest.sock in self._unverified:
+                    self.rejected["unverified_limit"] += 1
+                    self._close(oldest)
+            sock.setblocking(False)
+            conn = _Connection(sock, time.monotonic() + self.first_frame_s)
+            self._conns[sock] = self._unverified[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.inbox += data
+        while len(conn.inbox) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(conn.inbox)
+            limit = self.codec.max_message_bytes if conn.verified else self._first_frame_bytes
+            if length > limit:
+                self.rejected["oversize"] += 1
+                log.warning("side channel closed a connection: a frame of %d bytes exceeds the %d-byte limit",
+                            length, limit)
+                self._close(conn)
+                return
+            if len(conn.inbox) < _LENGTH.size + length:
+                return
+            frame = bytes(conn.inbox[_LENGTH.size:_LENGTH.size + length])
+            del conn.inbox[:_LENGTH.size + length]
+            if not self._handle(conn, frame) or conn.sock not in self._conns:
+                return
+
+    def _handle(self, conn: _Connection, frame: bytes) -> bool:
+        """Verify and deliver one frame; False if the connection was closed for it."""
+        try:
+            message = self.codec.decode(frame)
+        except MessageError as exc:
+            self.rejected[exc.reason] += 1
+            log.warning("side channel rejected a message: %s", exc)
+            if not conn.verified:  # nobody with the secret sent this: stop reading it
+                self._close(conn)
+                return False
+            return True
+        if not conn.verified:
+            conn.verified = True
+            del self._unverified[conn.sock]
+        reply = self.on_message(message)
+        if reply is not None:
+            conn.outbox += _LENGTH.pack(len(frame := self.codec.encode(reply))) + frame
+            self._flush(conn)
+        return True
+
+    def _flush(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        del conn.outbox[:sent]
+        self._selector.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0))
+
+    def _expire(self, now: float) -> None:
+        for conn in list(self._unverified.values()):
+            if conn.verify_by > now:
+                break  # oldest first: the rest are younger
+            self.rejected["first_frame_timeout"] += 1
+            self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        self._conns.pop(conn.sock, None)
+        self._unverified.pop(conn.sock, None)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
 
     def close(self) -> None:
-        self._closing.set()
+        self._closing = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            self._wake_w.send(b"x")
         except OSError:
             pass
-        self._sock.close()
-        with self._lock:
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         self._thread.join(timeout=2)
+        self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 class SideChannelClient:

@@ -1,0 +1,129 @@
+"""The side channel's server against clients that do not hold the secret, stall, or flood it:
+what it costs stays bounded, and peers holding the secret are still served."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from neuron_disagg.protocol import AgentInfoRequest, Heartbeat, TransferId, WireCodec
+from neuron_disagg.transfer.side_channel import SideChannelClient, SideChannelServer, rank_address, write_frame
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+HEARTBEAT = Heartbeat(TransferId("r", 0), 1.0)
+
+
+@pytest.fixture
+def server():
+    made = []
+
+    def start(**limits):
+        got: list = []
+
+        def on_message(message):
+            got.append(message)
+            return HEARTBEAT if isinstance(message, AgentInfoRequest) else None
+
+        made.append(SideChannelServer("127.0.0.1", 0, WireCodec(SECRET), on_message, **limits).start())
+        made[-1].got = got
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.close()
+
+
+def wait(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def connect(srv) -> socket.socket:
+    return socket.create_connection(rank_address(srv.address, 0), timeout=5)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_peer_with_the_secret_is_answered_and_stays_connected_past_the_first_frame_deadline(server):
+    srv = server(first_frame_s=0.2)
+    client = SideChannelClient(WireCodec(SECRET))
+    addr = rank_address(srv.address, 0)
+    assert client.request(addr, AgentInfoRequest("d")) == HEARTBEAT
+    client.send(addr, HEARTBEAT)
+    time.sleep(0.5)  # past the deadline: verified connections are not expired
+    client.send(addr, HEARTBEAT)
+    wait(lambda: srv.got.count(HEARTBEAT) == 2)
+    assert srv.connections == 1 and not srv.rejected
+    client.close()
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (WireCodec(b"not-this-deployments-secret-at-all").encode(HEARTBEAT), "bad_signature"),
+    (b"not msgpack at all", "malformed"),
+])
+def test_a_frame_without_the_secret_closes_its_connection_and_is_counted(server, frame, reason):
+    srv = server()
+    sock = connect(srv)
+    write_frame(sock, frame)
+    write_frame(sock, WireCodec(SECRET).encode(HEARTBEAT))  # too late: nobody reads on
+    assert closed_by_server(sock)
+    assert srv.rejected[reason] == 1 and not srv.got
+
+
+def test_a_stalled_or_silent_connection_is_closed_at_the_first_frame_deadline(server):
+    srv = server(first_frame_s=0.3)
+    silent, stalled = connect(srv), connect(srv)
+    stalled.sendall(struct.pack(">I", 200) + b"x" * 50)  # a frame that never completes
+    started = time.monotonic()
+    assert closed_by_server(silent) and closed_by_server(stalled)
+    assert 0.25 < time.monotonic() - started < 2.0
+    assert srv.rejected["first_frame_timeout"] == 2 and srv.connections == 0
+
+
+def test_a_first_frame_longer_than_a_registration_can_be_is_refused_before_it_is_buffered(server):
+    srv = server()
+    sock = connect(srv)
+    sock.sendall(struct.pack(">I", 2 << 20))
+    assert closed_by_server(sock)
+    assert srv.rejected["oversize"] == 1
+
+
+def test_a_flood_of_unverified_connections_holds_no_threads_and_evicts_the_oldest(server):
+    srv = server(max_unverified=8, first_frame_s=30)
+    threads = threading.active_count()
+    flood = [connect(srv) for _ in range(200)]
+    wait(lambda: srv.rejected["unverified_limit"] == 192)
+    assert threading.active_count() == threads and srv.connections == 8
+    # A peer holding the secret is served amid the flood, and its connection survives more of it.
+    peer = connect(srv)
+    write_frame(peer, WireCodec(SECRET).encode(HEARTBEAT))
+    wait(lambda: srv.got == [HEARTBEAT])
+    more = [connect(srv) for _ in range(20)]
+    wait(lambda: srv.rejected["unverified_limit"] == 212)
+    write_frame(peer, WireCodec(SECRET).encode(HEARTBEAT))
+    wait(lambda: srv.got == [HEARTBEAT, HEARTBEAT])
+    for sock in flood + more + [peer]:
+        sock.close()
+
+
+def test_connections_beyond_the_limit_are_refused(server):
+    srv = server(max_connections=3)
+    held = [connect(srv) for _ in range(3)]
+    wait(lambda: srv.connections == 3)
+    extra = connect(srv)
+    assert closed_by_server(extra)
+    assert srv.rejected["connection_limit"] == 1
+    for sock in held:
+        sock.close()
