@@ -189,6 +189,43 @@ def check_env(platform, backend: str) -> Check:
                  " ".join(f"export {k}={v};" for k, v in missing.items()))
 
 
+def clock_offset_s(chronyc_tracking: str) -> float | None:
+    """This host's offset from its time source, from ``chronyc tracking`` ("System time : 0.000021
+    seconds slow of NTP time"); None if the output has no such line."""
+    for line in chronyc_tracking.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "System time":
+            words = value.split()
+            if len(words) >= 3 and words[1] == "seconds":
+                return float(words[0]) * (-1 if words[2] == "slow" else 1)
+    return None
+
+
+def check_clock(config: Config, image: bool = False) -> Check:
+    """P and D compare each other's timestamps against clock_skew_allowance_s: two hosts each off
+    by half the allowance in opposite directions already exhaust it."""
+    allowance, fix = config.clock_skew_allowance_s, ("run chronyd against a time source (on EC2 the Amazon "
+                                                     "Time Sync Service, 169.254.169.123)")
+    if image:
+        found = shutil.which("chronyd") or shutil.which("chronyc")
+        return Check("clock", "ok" if found else "warn",
+                     "chrony installed" if found else "chrony not installed in the image", "" if found else fix)
+    tracking = _run(["chronyc", "tracking"])
+    offset = clock_offset_s(tracking) if tracking else None
+    if offset is not None:
+        if abs(offset) >= allowance / 2:
+            return Check("clock", "fail", f"this host's clock is {offset:+.3f} s off its time source; two hosts "
+                                          f"off like this can exceed clock_skew_allowance_s ({allowance} s), and "
+                                          "transfers between them are then refused", fix)
+        return Check("clock", "ok", f"{offset:+.6f} s off its time source (chrony); allowance {allowance} s")
+    synced = _run(["timedatectl", "show", "-p", "NTPSynchronized", "--value"])
+    if synced and synced.strip() == "yes":
+        return Check("clock", "ok", "synchronised (timedatectl; install chrony to see the offset)")
+    return Check("clock", "warn", "cannot tell whether this host's clock is synchronised (no chronyc; timedatectl "
+                                  f"says {(synced or 'nothing').strip()!r}); a clock off by more than "
+                                  f"clock_skew_allowance_s ({allowance} s) makes every transfer recompute", fix)
+
+
 def check_port(config: Config) -> Check:
     host, port = config.side_channel_host, config.side_channel_port
     try:
@@ -251,7 +288,8 @@ def run_checks(config_path: str | None = None, root: str = "/", image: bool = Fa
     checks.append(Check("platform", "ok", f"{platform.name} ({reason}); NIXL {backend}, {platform.memory_type}"))
     checks += check_nixl(backend, image)
     devices = [] if image_platform else [check_efa(platform), check_neuron(platform), check_env(platform, backend)]
-    checks += [check_libfabric(backend), *devices, check_fabric_libs(platform, backend), check_port(config)]
+    checks += [check_libfabric(backend), *devices, check_fabric_libs(platform, backend), check_port(config),
+               check_clock(config, image)]
     return checks, summary
 
 

@@ -214,7 +214,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         if effect is F.ARM_ADMISSION:
             entry.deadline = step.now + t.admission_timeout_s
         elif effect is F.SEND_REGISTRATION:
-            reg = msgspec.structs.replace(step.payload, expires_at=step.now + t.watchdog_s)
+            reg = msgspec.structs.replace(step.payload, expires_at=step.now + t.watchdog_s, sent_at=step.now)
             entry.registration, entry.deadline = reg, reg.expires_at
             entry.owed_by = set(writer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size, self.total_heads))
             # Only to the P ranks holding our heads: a P rank plans with the D ranks it writes to,

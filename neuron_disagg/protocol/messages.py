@@ -110,6 +110,9 @@ class Registration(msgspec.Struct, frozen=True, tag="registration"):
     # block_ids[i] receives P's block number first_block_index + i.
     first_block_index: int
     expires_at: float
+    # D's clock when it sent this. A P whose clock reads earlier by more than the skew allowance
+    # would honour the registration past D's fence: it refuses instead (0: not stamped).
+    sent_at: float = 0.0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -183,6 +186,7 @@ class PullOffer(msgspec.Struct, frozen=True, tag="pull_offer"):
     ranks: tuple[RankRegions, ...]  # P's regions and agent per P rank
     block_ids: tuple[int, ...]      # the prompt's blocks on P, in order
     expires_at: float
+    sent_at: float = 0.0  # P's clock when it offered; a D reading behind it refuses (0: not stamped)
 
 
 class ReadDone(msgspec.Struct, frozen=True, tag="read_done"):

@@ -19,7 +19,7 @@ import msgspec
 
 from .actions import AbortWrite, Action, FailTransfer, FreeBlocks, SendMessage, SubmitWrite
 from .errors import PlanError
-from .machine import Entry, Rule, StateMachine, Step
+from .machine import Entry, Rule, StateMachine, Step, clock_behind_reason
 from .messages import (
     Cancel,
     CancelAck,
@@ -183,6 +183,15 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         if step.now >= registration.expires_at:  # delivered too late to be honoured (I1)
             self._drop("registration:expired_on_arrival")
             return []
+        if registration.sent_at - step.now > self.timeouts.clock_skew_allowance_s:
+            # Our clock would honour it past D's fence: refuse, and tell D so it fails (recomputes) now.
+            self._drop("registration:clock_behind")
+            reason = clock_behind_reason("prefill", "decode", registration.sent_at, step.now,
+                                         self.timeouts.clock_skew_allowance_s)
+            ranks = target_ranks(self.tp_rank, self.tp_size, registration.d_tp_size, self.total_heads)
+            return [SendMessage(registration.d_side_channel, ranks,
+                                WriteFailed(registration.transfer_id, self.tp_rank, self.tp_size, reason)),
+                    FailTransfer(registration.transfer_id, reason)]
         entry = self._entry(registration.transfer_id, step, create=True)
         if entry.registration is None and entry.state not in TERMINAL:
             whole = self._gather(entry, registration)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage
 from .errors import PlanError
-from .machine import Entry, Rule, StateMachine, Step
+from .machine import Entry, Rule, StateMachine, Step, clock_behind_reason
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from .plan import WritePlan, plan_rank_write, target_ranks, writer_ranks
 
@@ -154,6 +154,7 @@ class REvent(enum.Enum):
     ABORT = "abort"
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
+    CLOCK_BEHIND = "clock_behind"  # the offer was sent from our future: its expiry means nothing here
 
 
 class REffect(enum.Enum):
@@ -172,6 +173,7 @@ _R, _RE, _RF = RState, REvent, REffect
 READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.NEW, _RE.OFFER): Rule(_R.WAITING, (_RF.ARM_OFFER,)),
     (_R.NEW, _RE.SUPERSEDED): Rule(_R.CANCELLED),
+    (_R.NEW, _RE.CLOCK_BEHIND): Rule(_R.FAILED, (_RF.ARM_OFFER, _RF.TELL_P_FAILED, _RF.FAIL)),
     (_R.WAITING, _RE.ALLOCATED): Rule(_R.READING, (_RF.SUBMIT_READ,)),
     (_R.WAITING, _RE.ABORT): Rule(_R.CANCELLED, (_RF.TELL_P_FAILED,)),
     (_R.WAITING, _RE.SUPERSEDED): Rule(_R.CANCELLED, (_RF.TELL_P_FAILED,), "superseded by a newer attempt"),
@@ -229,9 +231,10 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     EXPIRED, SUPERSEDED = REvent.EXPIRED, REvent.SUPERSEDED
 
     def __init__(self, tp_rank: int, tp_size: int, max_read_s: float, tombstone_s: float = 600.0,
-                 strict: bool = False, total_heads: int | None = None):
+                 strict: bool = False, total_heads: int | None = None, clock_skew_allowance_s: float = 1.0):
         super().__init__(tombstone_s=tombstone_s, strict=strict)
         self.tp_rank, self.tp_size, self.max_read_s = tp_rank, tp_size, max_read_s
+        self.skew_s = clock_skew_allowance_s
         self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> Read:
@@ -240,7 +243,12 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     def offered(self, offer: PullOffer, now: float) -> list:
         """The decode leg arrived with P's (verified) offer."""
         step = Step(self._clock(now), payload=offer)
-        self._fire(self._entry(offer.transfer_id, step, create=True), REvent.OFFER, step)
+        entry = self._entry(offer.transfer_id, step, create=True)
+        if offer.sent_at - step.now > self.skew_s and entry.state is RState.NEW:  # we would READ past P's lease
+            step.reason = clock_behind_reason("decode", "prefill", offer.sent_at, step.now, self.skew_s)
+            self._fire(entry, REvent.CLOCK_BEHIND, step)
+        else:
+            self._fire(entry, REvent.OFFER, step)
         return step.actions
 
     def allocated(self, transfer_id: TransferId, local: RankRegions, block_ids: tuple[int, ...],

@@ -170,7 +170,7 @@ class Peer:
             self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
         elif op == "lend":  # pull, P: hold the blocks and return the signed offer for the router
             offer = PullOffer(tid, self.agent, self.address, 1, (RankRegions(0, self.agent, self.regions),),
-                              tuple(cmd["blocks"]), time.time() + self.lease_s)
+                              tuple(cmd["blocks"]), time.time() + self.lease_s, time.time())
             self.thread.lend(offer)
             return {"offer": base64.b64encode(self.codec.encode(offer)).decode()}
         elif op == "offered":  # pull, D: the decode leg arrived with P's offer
@@ -219,6 +219,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--max-write-s", type=float, default=2.0)
+    parser.add_argument("--clock-offset-s", type=float, default=0.0,
+                        help="run this process's wall clock this far ahead (negative: behind) of the host's")
     return parser
 
 
@@ -228,6 +230,9 @@ def main() -> None:
     EVENTS = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     args = parser().parse_args()
+    if args.clock_offset_s:  # a host whose clock is off: every wall-clock reading in this process
+        host_time = time.time
+        time.time = lambda: host_time() + args.clock_offset_s
     peer = Peer(args)
     peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid(),
                "backends": peer.transport.loaded_backends()})

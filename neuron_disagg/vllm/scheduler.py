@@ -44,8 +44,9 @@ class OfferMaker:
 
     def offer(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> tuple[PullOffer, bytes]:
         """The offer for our own workers, and its signed frame for the router to carry to D."""
+        now = time.time()
         offer = PullOffer(transfer_id, self.engine_id, self.side_channel, len(self.ranks), self.ranks,
-                          block_ids, time.time() + self.lease_s)
+                          block_ids, now + self.lease_s, now)
         return offer, self.codec.encode(offer)
 
 

@@ -120,7 +120,7 @@ class WorkerSide:
             self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
                                        self._on_loaded, self._on_failed, self._on_free, self.staging)
             self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s,
-                                              total_heads=heads),
+                                              total_heads=heads, clock_skew_allowance_s=t.clock_skew_allowance_s),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
             routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}

@@ -13,6 +13,22 @@ def fabric(request, tmp_path_factory):
     made.close()
 
 
+@pytest.fixture
+def ucx_peers():
+    """Starts P and D peer processes over UCX (for tests about what no fabric changes) and kills
+    them after the test."""
+    pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
+    fabric, started = ucx(), []
+
+    def start(role, *args):
+        started.append(fabric.peer(role, *args))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
 @pytest.fixture(scope="package", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
 def cluster(request):
     """A monolithic reference, P and D of one vLLM environment (tests/vllm_envs.py), shared by the

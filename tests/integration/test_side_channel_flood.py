@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from .fabrics import ucx
 from .test_push_faults import _deliver
 
 pytestmark = pytest.mark.integration
@@ -35,20 +34,8 @@ def _wave(address: str, count: int) -> tuple[list[socket.socket], int]:
     return opened, refused
 
 
-@pytest.fixture
-def peers():
-    fabric, started = ucx(), []
-
-    def start(role, *args):
-        started.append(fabric.peer(role, *args))
-        return started[-1]
-
-    yield start
-    for proc in started:
-        proc.kill()
-
-
-def test_twenty_thousand_hostile_connections_cost_no_threads_and_transfers_go_on(peers):
+def test_twenty_thousand_hostile_connections_cost_no_threads_and_transfers_go_on(ucx_peers):
+    peers = ucx_peers
     p = peers("prefill", "--lease-s", "60")
     d = peers("decode", "--watchdog-s", "30")
     _deliver(p, d, ["warm", 0], [1, 2], [3, 4], seed=1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 
 from neuron_disagg import doctor
 
@@ -92,3 +94,33 @@ def test_neuron_platform_wants_env_and_libfabric(monkeypatch):
     monkeypatch.setattr(doctor, "_run", lambda cmd, timeout_s=20.0: None)
     assert doctor.check_libfabric("LIBFABRIC").status == "fail"
     assert doctor.check_libfabric("UCX").status == "ok"
+
+
+CHRONY = """Reference ID    : A9FEA97B (169.254.169.123)
+Stratum         : 4
+System time     : {value} seconds {direction} of NTP time
+Last offset     : -0.000012 seconds
+Leap status     : Normal
+"""
+
+
+@pytest.mark.parametrize("value, direction, status", [
+    ("0.000021", "slow", "ok"), ("0.400000", "fast", "ok"), ("0.600000", "slow", "fail"), ("2.5", "fast", "fail")])
+def test_clock_offset_against_half_the_skew_allowance(monkeypatch, value, direction, status):
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout_s=20.0:
+                        CHRONY.format(value=value, direction=direction) if cmd[0] == "chronyc" else None)
+    check = doctor.check_clock(doctor.Config())
+    assert check.status == status, check
+    sign = "-" if direction == "slow" else "+"
+    assert f"{sign}{float(value):.3f}" in check.message
+    if status == "fail":
+        assert "clock_skew_allowance_s" in check.message and "chronyd" in check.fix
+
+
+def test_clock_without_chrony_asks_timedatectl(monkeypatch):
+    answers = {"chronyc": None, "timedatectl": "yes\n"}
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout_s=20.0: answers[cmd[0]])
+    assert doctor.check_clock(doctor.Config()).status == "ok"
+    answers["timedatectl"] = "no\n"
+    check = doctor.check_clock(doctor.Config())
+    assert check.status == "warn" and "'no'" in check.message

@@ -1,5 +1,6 @@
 """Every row of the producer's transition table, plus the scenarios its invariants are about."""
 
+import msgspec
 import pytest
 
 from neuron_disagg.protocol import (
@@ -255,3 +256,24 @@ def test_a_d_rank_registration_that_disagrees_with_the_others_is_dropped():
     assert c.entries[TID].registration is None
     c.registration_received(_d_rank_registration(1), 2)
     assert c.entries[TID].state is PState.AWAITING_KV
+
+
+@pytest.mark.parametrize("behind_s, refused", [(0.9, False), (3.0, True)])
+def test_a_registration_stamped_in_our_future_beyond_the_skew_allowance_is_refused_and_answered(behind_s, refused):
+    """P's clock reading behind D's would keep honouring the registration after D's fence."""
+    c = core()
+    c.kv_ready(TID, BLOCKS, 0)
+    sent = 10.0
+    reg = msgspec.structs.replace(registration(expires_at=sent + 40), sent_at=sent)
+    actions = c.registration_received(reg, sent - behind_s)
+    if not refused:
+        assert any(isinstance(a, SubmitWrite) for a in actions)
+        return
+    assert not any(isinstance(a, SubmitWrite) for a in actions)
+    (answer,) = [a for a in actions if isinstance(a, SendMessage)]
+    assert answer.peer == "d-host:1" and isinstance(answer.message, WriteFailed)
+    assert "3.00 s behind decode's" in answer.message.reason and "chrony" in answer.message.reason
+    assert any(isinstance(a, FailTransfer) for a in actions)
+    assert c.counters["dropped:registration:clock_behind"] == 1
+    assert c.state_of(TID) is PState.AWAITING_REGISTRATION  # our blocks go back when the lease ends
+    assert FreeBlocks(TID, BLOCKS) in c.tick(T.lease_s)

@@ -1,5 +1,6 @@
 """One P core and one D core driven through random interleavings over a lossy, reordering,
-duplicating network with forged messages and clock jumps. After every step: I1 (writes only for
+duplicating network with forged messages, clock jumps and P's clock skewed against D's (inside the
+allowance and far beyond it, either way). After every step: I1 (writes only for
 current registrations), I2 (no D block freed or reused under a write), I3 (every transfer terminal
 within its bound), I4 (blocks freed exactly once; pools whole at the end), I7 in miniature (the
 bytes D hands to decode are exactly P's KV for those positions, including after prefix hits)."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from neuron_disagg.protocol import (
     AbortWrite, Cancel, ConsumerCore, ConsumerTimeouts, DState, FailTransfer, FinishLoad, FreeBlocks,
@@ -58,6 +59,15 @@ class PushProtocol(RuleBasedStateMachine):
         self.p_heard_cancel: set[TransferId] = set()
         self.p_latest_attempt: dict[str, int] = {}
         self.forged = 0
+        self.p_offset = 0.0  # P's clock minus D's (the harness's ``now`` is D's clock and true time)
+
+    @initialize(offset=st.sampled_from([-3.0, -0.4, 0.0, 0.4, 3.0]))
+    def clocks_disagree(self, offset):
+        self.p_offset = offset
+
+    @property
+    def p_now(self) -> float:
+        return self.now + self.p_offset
 
     # -- the harness performs what the cores ask ----------------------------------------------------
     def perform(self, side, actions):
@@ -82,7 +92,7 @@ class PushProtocol(RuleBasedStateMachine):
         tid = submit.transfer_id
         reg = self.p.entries[tid].registration
         assert tid not in self.p_heard_cancel, f"I1: write for {tid} after P heard its Cancel"
-        assert self.now < reg.expires_at, f"I1: write for {tid} on an expired registration"
+        assert self.p_now < reg.expires_at, f"I1: write for {tid} on a registration expired by P's clock"
         assert tid.attempt >= self.p_latest_attempt.get(tid.request, 0), f"I1: superseded {tid} written"
 
     def free(self, side, action: FreeBlocks):
@@ -150,12 +160,12 @@ class PushProtocol(RuleBasedStateMachine):
         tid = self.prefilling.pop(i % len(self.prefilling))
         blocks = self.take(self.p_free, self.length[tid.request])
         if blocks is None:
-            self.perform("p", self.p.abort(tid, "prefill out of blocks", self.now))
+            self.perform("p", self.p.abort(tid, "prefill out of blocks", self.p_now))
             return
         for pos, block in enumerate(blocks):
             self._block("p", block, self.pattern(tid.request, pos))
         self.p_held[tid] = blocks
-        self.perform("p", self.p.kv_ready(tid, blocks, self.now))
+        self.perform("p", self.p.kv_ready(tid, blocks, self.p_now))
 
     @precondition(lambda self: self.pending_on_d)
     @rule(i=st.integers(0, 100), hit=st.integers(0, 4))
@@ -188,7 +198,7 @@ class PushProtocol(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def prefill_aborts(self, i):
         live = self.p.live()
-        self.perform("p", self.p.abort(live[i % len(live)].transfer_id, "engine shutdown", self.now))
+        self.perform("p", self.p.abort(live[i % len(live)].transfer_id, "engine shutdown", self.p_now))
 
     @precondition(lambda self: self.d_decoding)
     @rule()
@@ -208,14 +218,14 @@ class PushProtocol(RuleBasedStateMachine):
         self.fabric.execute("p", submit.plan)
         self.landed.add(tid)
         self.to_d.append(self.codec.encode(submit.notification))
-        self.perform("p", self.p.write_done(tid, self.now))
+        self.perform("p", self.p.write_done(tid, self.p_now))
 
     @precondition(lambda self: self.in_flight)
     @rule(i=st.integers(0, 100))
     def write_fails(self, i):
         tid = sorted(self.in_flight, key=str)[i % len(self.in_flight)]
         del self.in_flight[tid]
-        self.perform("p", self.p.write_failed(tid, "remote disconnected", self.now))
+        self.perform("p", self.p.write_failed(tid, "remote disconnected", self.p_now))
 
     # -- the network ---------------------------------------------------------------------------------
     @precondition(lambda self: self.to_p or self.to_d)
@@ -236,11 +246,11 @@ class PushProtocol(RuleBasedStateMachine):
             tid = message.transfer_id
             if isinstance(message, Registration):
                 self.p_latest_attempt[tid.request] = max(self.p_latest_attempt.get(tid.request, 0), tid.attempt)
-                self.perform("p", self.p.registration_received(message, self.now))
+                self.perform("p", self.p.registration_received(message, self.p_now))
             elif isinstance(message, Heartbeat):
-                self.perform("p", self.p.heartbeat(message, self.now))
+                self.perform("p", self.p.heartbeat(message, self.p_now))
             else:
-                self.perform("p", self.p.cancel(message, self.now))
+                self.perform("p", self.p.cancel(message, self.p_now))
         else:
             self.perform("d", self.d.verdict(message, self.now))
 
@@ -268,7 +278,7 @@ class PushProtocol(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.1, 0.4, 1.0, 2.5, 7.0, 30.0]))
     def time_passes(self, dt):
         self.now += dt
-        self.perform("p", self.p.tick(self.now))
+        self.perform("p", self.p.tick(self.p_now))
         self.perform("d", self.d.tick(self.now))
 
     # -- invariants ---------------------------------------------------------------------------------------
@@ -283,10 +293,10 @@ class PushProtocol(RuleBasedStateMachine):
 
     @invariant()
     def every_transfer_ends_within_its_bound(self):
-        for side, core, bound in (("P", self.p, P_BOUND), ("D", self.d, D_BOUND)):
+        for side, core, bound, now in (("P", self.p, P_BOUND, self.p_now), ("D", self.d, D_BOUND, self.now)):
             for entry in core.live():
-                assert self.now < entry.created_at + bound, (
-                    f"I3: {side} {entry.transfer_id} still {entry.state.name} at {self.now}, "
+                assert now < entry.created_at + bound, (
+                    f"I3: {side} {entry.transfer_id} still {entry.state.name} at {now}, "
                     f"created {entry.created_at}, bound {bound}")
 
     @invariant()

@@ -1,5 +1,6 @@
 """Every row of pull mode's two tables (protocol/pull.py) and the lease/fence arithmetic."""
 
+import msgspec
 import pytest
 
 from neuron_disagg.protocol import FailTransfer, FinishLoad, FreeBlocks, RankRegions, SendMessage, TransferId
@@ -166,3 +167,21 @@ def test_reader_rejects_an_offer_with_the_wrong_block_count():
     assert c.counters["offer_rejected"] == 1
     assert any(isinstance(a, FailTransfer) and "offer rejected" in a.reason for a in actions)
     assert FreeBlocks(TID, (7, 8)) in actions
+
+
+@pytest.mark.parametrize("behind_s, refused", [(0.4, False), (3.0, True)])
+def test_reader_refuses_an_offer_stamped_beyond_the_skew_allowance(behind_s, refused):
+    """D's clock reading behind P's would start READs after P's lease freed the blocks."""
+    c = ReaderCore(0, 1, max_read_s=2, strict=True, clock_skew_allowance_s=0.5)
+    sent = 100.0
+    stamped = msgspec.structs.replace(offer(expires_at=sent + 10), sent_at=sent)
+    actions = c.offered(stamped, sent - behind_s)
+    if not refused:
+        assert c.state_of(TID) is RState.WAITING
+        return
+    assert c.state_of(TID) is RState.FAILED
+    (failed,) = [a for a in actions if isinstance(a, FailTransfer)]
+    assert "decode's clock" in failed.reason and "behind prefill's" in failed.reason
+    assert any(isinstance(a, SendMessage) and isinstance(a.message, ReadFailed) for a in actions)
+    late = c.allocated(TID, LOCAL, D_BLOCKS, 0, sent - behind_s + 0.1)
+    assert FreeBlocks(TID, D_BLOCKS) in late and not any(isinstance(a, SubmitRead) for a in late)
