@@ -55,8 +55,9 @@ class Step:
 
 
 def clock_behind_reason(me: str, them: str, their_clock: float, my_clock: float, allowance_s: float) -> str:
-    """Why ``me`` refused a message ``them`` stamped in ``me``'s future beyond the allowance."""
-    return (f"{me}'s clock ({my_clock:.3f}) is {their_clock - my_clock:.2f} s behind {them}'s ({their_clock:.3f}), "
+    """Why ``me`` refused a message ``them`` stamped in ``me``'s future beyond the allowance. What
+    precedes the first colon is the metrics' reason label."""
+    return (f"clock skew: {me}'s clock ({my_clock:.3f}) is {their_clock - my_clock:.2f} s behind {them}'s ({their_clock:.3f}), "
             f"over clock_skew_allowance_s ({allowance_s} s): deadlines across the two cannot be trusted; "
             "synchronise the hosts' clocks (chrony; `neuron-disagg doctor` checks the offset)")
 

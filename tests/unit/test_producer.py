@@ -277,3 +277,4 @@ def test_a_registration_stamped_in_our_future_beyond_the_skew_allowance_is_refus
     assert c.counters["dropped:registration:clock_behind"] == 1
     assert c.state_of(TID) is PState.AWAITING_REGISTRATION  # our blocks go back when the lease ends
     assert FreeBlocks(TID, BLOCKS) in c.tick(T.lease_s)
+    assert answer.message.reason.split(":")[0] == "clock skew"  # a bounded metrics label
