@@ -2,7 +2,7 @@
 
 Why this order: the AMI baked by ``ami/`` (tagged ``neuron-disagg:platform``) carries the EFA
 software, NIXL, vLLM, this package and the systemd units that the user data starts; the plain
-DLAMI boots but lacks our units, so it is a fallback that says so loudly.
+DLAMI boots but lacks our units, so launch refuses it unless ``allow_stock_ami`` says otherwise.
 """
 
 from __future__ import annotations
@@ -41,20 +41,34 @@ def dlami(cloud: Cloud, platform: Platform) -> str:
     return response["Parameter"]["Value"]
 
 
-def resolve(cloud: Cloud, platform: Platform, override: str | None = None) -> tuple[str, str]:
-    """(image id, where it came from)."""
+def is_baked(cloud: Cloud, image_id: str) -> bool:
+    """Whether ``image_id`` carries our platform tag (``ami/`` bakes it in)."""
+    response = cloud.call("ec2", "DescribeImages", ImageIds=[image_id])
+    images = [] if response is None else response.get("Images", [])
+    return any(tag.get("Key") == PLATFORM_TAG for image in images for tag in image.get("Tags", []))
+
+
+def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow_stock: bool = False) -> tuple[str, str]:
+    """(image id, where it came from). An image that is not a baked neuron-disagg AMI boots but never
+    serves (the user data exits) while the instances bill: refused unless ``allow_stock``."""
+    refuse = (f"the instances would boot but not serve, billing all the while: the user data starts "
+              "neuron-disagg's systemd units, which only a baked AMI has. Bake one with ami/build.sh "
+              "(examples/README.md), or set allow_stock_ami: true to launch anyway (debugging an image)")
     if override:
+        if not (cloud.dry_run or allow_stock or is_baked(cloud, override)):
+            raise AmiNotFound(f"ami_id {override} is not a neuron-disagg AMI (no {PLATFORM_TAG} tag): {refuse}")
         return override, "ami_id in the deployment config"
     image = baked_image(cloud, platform)
     if image:
         return image, f"baked neuron-disagg AMI (tag {PLATFORM_TAG}={platform})"
-    image = dlami(cloud, platform)
     if cloud.dry_run:
-        return (placeholder(f"ImageId: newest own AMI tagged {PLATFORM_TAG}={platform}, "
-                            f"else ssm:{DLAMI_PARAMETERS[platform]}"), "decided when it runs")
-    cloud.note(f"WARNING: no neuron-disagg AMI tagged {PLATFORM_TAG}={platform} in {cloud.region}; using the "
-               f"plain DLAMI {image}, which lacks the neuron-disagg systemd units: the instances will boot "
-               "but not serve. Bake one first: ami/build.sh (see examples/README.md).")
+        dlami(cloud, platform)
+        return (placeholder(f"ImageId: newest own AMI tagged {PLATFORM_TAG}={platform}"), "decided when it runs")
+    if not allow_stock:
+        raise AmiNotFound(f"no neuron-disagg AMI tagged {PLATFORM_TAG}={platform} in {cloud.region}; {refuse}")
+    image = dlami(cloud, platform)
+    cloud.note(f"WARNING: allow_stock_ami: using the plain DLAMI {image}, which lacks the neuron-disagg systemd "
+               "units: the instances will boot but not serve.")
     return image, f"latest DLAMI (ssm:{DLAMI_PARAMETERS[platform]})"
 
 

@@ -19,7 +19,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, EndpointConnectionE
 from botocore import xform_name
 
 from .errors import (AwsCallFailed, DeployError, MissingCredentials, NoCapacity, PermissionDenied,
-                     QuotaExceeded, UnsupportedInstanceType)
+                     QuotaExceeded, ReservationUnusable, UnsupportedInstanceType)
 
 _CREDENTIAL_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
                      "RequestExpired", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
@@ -45,6 +45,12 @@ def translate(exc: ClientError, operation: str, params: dict[str, Any]) -> Deplo
     if code in ("UnauthorizedOperation", "AccessDenied", "AccessDeniedException"):
         return PermissionDenied(f"the credentials may not call {operation} ({code}); add that action to the "
                                 "IAM policy of this user or role (see examples/README.md for the full list)")
+    reserved = params.get("CapacityReservationSpecification", {}).get("CapacityReservationTarget", {})
+    if code == "ReservationCapacityExceeded" or (reserved and code == "InsufficientInstanceCapacity"):
+        # Buying capacity is not the fix: the reservation named is full (or another launch holds it).
+        return ReservationUnusable(f"capacity reservation {reserved.get('CapacityReservationId', '?')} has no free "
+                                   f"{instance_type} left ({code}: {message}); see its instances with `aws ec2 "
+                                   "describe-capacity-reservations`, stop what runs in it, or use a larger one")
     if code in ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost", "InsufficientCapacity"):
         return NoCapacity(capacity_advice(instance_type) + f" (AWS said: {message})")
     if code in ("InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded"):

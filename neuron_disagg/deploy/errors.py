@@ -46,6 +46,12 @@ class QuotaExceeded(DeployError):
     exit_code = 4
 
 
+class ReservationUnusable(DeployError):
+    """The capacity reservation named for a group cannot take these instances (type, zone, state, room)."""
+
+    exit_code = 4
+
+
 class AmiNotFound(DeployError):
     """Neither a baked neuron-disagg AMI nor the DLAMI parameter could be found."""
 

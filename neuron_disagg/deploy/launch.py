@@ -4,7 +4,8 @@ Order matters and is chosen so that a failure costs as little as possible: every
 be checked locally (config, secret) is checked before the first AWS call; every read (instance
 types, AMI, subnet) comes before the first write; the router's host is launched last because its
 user data needs every other instance's address. If a launch fails midway, the instances this run
-started are terminated (the placement and security groups stay for the next try).
+started are terminated, whatever stopped it (the placement and security groups stay for the next try).
+Instances in a capacity reservation get no placement group (the reservation fixes where they run).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import ami, network, secret_parameter, user_data
+from . import ami, network, reservations, secret_parameter, user_data
 from .cloud import Cloud, placeholder
-from .errors import DeployError, DeploymentExists
+from .errors import DeployError, DeploymentExists, ReservationUnusable
 from .instance_types import InstanceTypeInfo, describe
 from .inventory import find_instances, tag_list
 from .settings import DeploymentConfig
@@ -65,7 +66,10 @@ def subnet_facts(cloud: Cloud, subnet_id: str) -> tuple[str, str]:
 
 def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: InstanceTypeInfo,
                          image: tuple[str, str], placement_group: str, groups: list[str],
-                         script: str) -> dict[str, Any]:
+                         script: str, reservation: reservations.Reservation | None = None) -> dict[str, Any]:
+    """One instance's RunInstances. An instance in a reservation gets no placement group: the
+    reservation already fixes where it runs, and a placement constraint outside it fails with
+    insufficient capacity even while the reservation has room."""
     image_id, root_device = image
     tags = {**deployment.resource_tags(), "Name": f"{deployment.name}-{instance.name}",
             "neuron-disagg:role": instance.role, "neuron-disagg:index": str(instance.index),
@@ -73,7 +77,6 @@ def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: 
     params: dict[str, Any] = {
         "ImageId": image_id, "InstanceType": instance.instance_type, "MinCount": 1, "MaxCount": 1,
         "NetworkInterfaces": info.network_interfaces(deployment.subnet_id, groups),
-        "Placement": {"GroupName": placement_group},
         "BlockDeviceMappings": [{"DeviceName": root_device, "Ebs": {
             "VolumeSize": deployment.root_volume_gib, "VolumeType": "gp3", "DeleteOnTermination": True}}],
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
@@ -84,11 +87,26 @@ def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: 
         params["KeyName"] = deployment.key_name
     if deployment.iam_instance_profile:
         params["IamInstanceProfile"] = {"Name": deployment.iam_instance_profile}
-    if instance.capacity_block_id:
-        params["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
-        params["CapacityReservationSpecification"] = {
-            "CapacityReservationTarget": {"CapacityReservationId": instance.capacity_block_id}}
+    if reservation is not None:
+        params.update(reservation.run_instances_params())
+    else:
+        params["Placement"] = {"GroupName": placement_group}
     return params
+
+
+def check_reservations(cloud: Cloud, deployment: DeploymentConfig, zone: str) -> dict[str, reservations.Reservation]:
+    """Each reservation named in the config, described and checked against what will launch into it."""
+    wanted: dict[str, tuple[str, int]] = {}
+    for group in (deployment.prefill, deployment.decode):
+        if group.capacity_block_id:
+            instance_type, count = wanted.get(group.capacity_block_id, (group.instance_type, 0))
+            if instance_type != group.instance_type:
+                raise ReservationUnusable(
+                    f"prefill and decode name the same reservation {group.capacity_block_id} with different "
+                    f"instance types ({instance_type}, {group.instance_type}); a reservation holds one type")
+            wanted[group.capacity_block_id] = (instance_type, count + group.count)
+    return {rid: reservations.check(cloud, rid, instance_type, zone, count)
+            for rid, (instance_type, count) in wanted.items()}
 
 
 def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
@@ -110,20 +128,22 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
     types = describe(cloud, [deployment.prefill.instance_type, deployment.decode.instance_type])
     images: dict[str, tuple[str, str]] = {}  # platform -> (image id, root device name)
     for platform in sorted({info.platform for info in types.values()}):
-        image_id, source = ami.resolve(cloud, platform, deployment.ami_id)
+        image_id, source = ami.resolve(cloud, platform, deployment.ami_id, deployment.allow_stock_ami)
         images[platform] = (image_id, ami.root_device(cloud, image_id))
         cloud.note(f"{platform} instances boot {image_id}: {source}")
     vpc_id, zone = subnet_facts(cloud, deployment.subnet_id)
+    reserved = check_reservations(cloud, deployment, zone)
     tags = deployment.resource_tags()
     result = LaunchResult()
-    result.placement_group = network.ensure_placement_group(cloud, deployment.name, tags)
+    planned = plan_instances(deployment)
+    if any(not p.capacity_block_id for p in planned):
+        result.placement_group = network.ensure_placement_group(cloud, deployment.name, tags)
     result.security_group_id = network.ensure_security_group(cloud, deployment.name, vpc_id, tags)
     groups = [result.security_group_id, *deployment.extra_security_group_ids]
     if not deployment.secret_in_user_data:
         secret_parameter.store(cloud, deployment.secret_parameter, secret, deployment.name, tags)
         result.secret_parameter = deployment.secret_parameter
 
-    planned = plan_instances(deployment)
     try:
         for instance in planned:
             router = None
@@ -138,7 +158,8 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
                                       secret=secret if deployment.secret_in_user_data else None)
             info = types[instance.instance_type]
             params = run_instances_params(deployment, instance, info, images[info.platform],
-                                          result.placement_group, groups, script)
+                                          result.placement_group, groups, script,
+                                          reserved.get(instance.capacity_block_id or ""))
             response = cloud.call("ec2", "RunInstances", **params)
             if response is None:
                 instance.instance_id = placeholder(f"InstanceId of {instance.name}")
@@ -149,13 +170,17 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
                 cloud.note(f"launched {instance.name}: {instance.instance_id} {instance.instance_type} "
                            f"{instance.private_ip} in {zone}" + (" (router)" if instance.router else ""))
             result.instances.append(instance)
-    except DeployError as exc:
+    except BaseException as exc:  # a timeout or Ctrl-C too: nothing this run started may keep billing
         started = [p.instance_id for p in result.instances]
         if started and not cloud.dry_run:
             cloud.call("ec2", "TerminateInstances", InstanceIds=started)
-            exc.args = (f"{exc}\n(terminated the {len(started)} instance(s) this launch had started: "
-                        f"{', '.join(started)}; the placement and security groups and the secret parameter are "
-                        "kept for the next try, `neuron-disagg teardown` removes them)",)
+            said = (f"terminated the {len(started)} instance(s) this launch had started: {', '.join(started)}; the "
+                    "placement and security groups and the secret parameter are kept for the next try, "
+                    "`neuron-disagg teardown` removes them")
+            if isinstance(exc, DeployError):
+                exc.args = (f"{exc}\n({said})",)
+            else:
+                cloud.note(f"launch stopped by {type(exc).__name__}: {said}")
         raise
     host = next(p for p in planned if p.router)
     result.router_url = f"http://{host.private_ip}:{deployment.router.port}"

@@ -36,7 +36,8 @@ class RoleGroup(BaseModel):
     count: int = Field(1, ge=1, le=64)
     capacity_block_id: str | None = Field(
         None, pattern=r"^cr-[0-9a-f]+$",
-        description="a purchased Capacity Block reservation (cr-...) these instances run in")
+        description="a capacity reservation (cr-...) these instances run in: a purchased Capacity Block or an "
+                    "On-Demand Capacity Reservation; launch checks which, and that it fits, before creating anything")
 
 
 class RouterSettings(BaseModel):
@@ -65,6 +66,8 @@ class DeploymentConfig(BaseModel):
         default_factory=list, description="attached besides ours, e.g. one allowing SSH from a bastion")
     ami_id: str | None = Field(None, pattern=r"^ami-[0-9a-f]+$",
                                description="skip AMI lookup and use this image")
+    allow_stock_ami: bool = Field(False, description="launch on an image that is not a baked neuron-disagg AMI "
+                                                     "(it boots but does not serve: for debugging images)")
     root_volume_gib: int = Field(500, ge=64, le=16384)
 
     model: str = Field(..., min_length=1, description="Hugging Face id or local path on the instance")

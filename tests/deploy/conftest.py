@@ -108,6 +108,8 @@ class MotoGaps:
         self.run_instances_wire: list[dict[str, str]] = []  # each RunInstances request body, decoded
         self.fail_run_instances: tuple[str, str] | None = None  # (code, message) to answer instead
         self.fail_after: int = 0  # ... after this many RunInstances went through
+        self.raise_on_run_instances: Exception | None = None  # raised instead, e.g. a read timeout
+        self.capacity_reservations: dict[str, dict[str, Any]] = {}  # id -> DescribeCapacityReservations entry
         self._params: dict[str, Any] = {}
 
     def install(self, session: boto3.Session) -> None:
@@ -118,6 +120,7 @@ class MotoGaps:
         events.register("before-call.ec2.DescribePlacementGroups", self._describe)
         events.register("before-call.ec2.DeletePlacementGroup", self._delete)
         events.register("before-call.ec2.RunInstances", self._maybe_fail)
+        events.register("before-call.ec2.DescribeCapacityReservations", self._reservations)
         events.register("before-send.ec2.RunInstances", self._record)
 
     def _keep_params(self, params, **_):
@@ -146,7 +149,25 @@ class MotoGaps:
             return error("InvalidPlacementGroup.Unknown", f"The Placement Group '{params['GroupName']}' is unknown.")
         return _answer({})
 
+    def _reservations(self, **_):
+        wanted = self._params.get("CapacityReservationIds", [])
+        missing = [r for r in wanted if r not in self.capacity_reservations]
+        if missing:
+            return error("InvalidCapacityReservationId.NotFound", f"The capacity reservation ID '{missing[0]}' "
+                                                                  "does not exist")
+        return _answer({"CapacityReservations": [self.capacity_reservations[r] for r in wanted]})
+
+    def reserve(self, reservation_id: str, instance_type: str, zone: str, *, capacity_block: bool = True,
+                state: str = "active", free: int = 4, total: int = 4) -> None:
+        self.capacity_reservations[reservation_id] = {
+            "CapacityReservationId": reservation_id, "InstanceType": instance_type, "AvailabilityZone": zone,
+            "State": state, "AvailableInstanceCount": free, "TotalInstanceCount": total,
+            "ReservationType": "capacity-block" if capacity_block else "default",
+            "StartDate": "2026-12-24T11:30:00+00:00"}
+
     def _maybe_fail(self, **_):
+        if self.raise_on_run_instances is not None and len(self.run_instances_wire) >= self.fail_after:
+            raise self.raise_on_run_instances
         if self.fail_run_instances and len(self.run_instances_wire) >= self.fail_after:
             return error(*self.fail_run_instances, status=500)
         return None

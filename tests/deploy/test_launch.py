@@ -16,7 +16,9 @@ import pytest
 from neuron_disagg.config import ConfigError
 from neuron_disagg.deploy import ami
 from neuron_disagg.deploy.cloud import Cloud
-from neuron_disagg.deploy.errors import (DeploymentExists, MissingCredentials, NoCapacity,
+from botocore.exceptions import ReadTimeoutError
+
+from neuron_disagg.deploy.errors import (DeploymentExists, MissingCredentials, NoCapacity, ReservationUnusable,
                                          UnsupportedInstanceType)
 from neuron_disagg.deploy.launch import launch
 from neuron_disagg.deploy.settings import DeploymentConfig
@@ -97,10 +99,8 @@ def test_launch_creates_placement_group_security_group_and_instances(cloud, netw
 
 
 @pytest.mark.parametrize("instance_type, cards", [("trn2.48xlarge", 16), ("p5en.48xlarge", 16), ("trn1.32xlarge", 8)])
-def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2, tmp_path, instance_type, cards,
-                                            public_parameters):
-    # no baked cuda AMI in this test: the GPU DLAMI through its (stand-in) public SSM parameter
-    public_parameters.values[ami.DLAMI_PARAMETERS["cuda"]] = baked_ami
+def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2, tmp_path, instance_type, cards):
+    register_image(ec2, "neuron-disagg-cuda-test", "cuda")
     info = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]["NetworkInfo"]
     assert info["MaximumNetworkCards"] == cards  # the layout below comes from this, not from a table
 
@@ -231,7 +231,9 @@ def test_no_capacity_names_the_ways_out_and_rolls_back(cloud, network, baked_ami
     assert "neuron-disagg-t1" in gaps.placement_groups  # kept for the next try
 
 
-def test_capacity_block_is_requested_for_every_instance(cloud, network, baked_ami, gaps, tmp_path):
+def test_capacity_block_is_requested_for_every_instance_without_a_placement_group(cloud, network, baked_ami, gaps,
+                                                                                  tmp_path):
+    gaps.reserve("cr-0abc", "trn2.48xlarge", network["zone"])
     launch(cloud, deployment(tmp_path, network, prefill={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"},
                              decode={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}))
     wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
@@ -239,12 +241,82 @@ def test_capacity_block_is_requested_for_every_instance(cloud, network, baked_am
     for body in wire:
         assert body["InstanceMarketOptions.MarketType"] == "capacity-block"
         assert body["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
+        assert not any(key.startswith("Placement.") for key in body), body  # the block fixes placement
+    assert gaps.placement_groups == {}
 
 
-def test_without_a_baked_ami_the_dlami_comes_from_ssm(cloud, network, public_parameters, ec2, tmp_path):
+def test_an_on_demand_capacity_reservation_launches_as_one(cloud, network, baked_ami, gaps, tmp_path):
+    gaps.reserve("cr-0def", "trn2.48xlarge", network["zone"], capacity_block=False)
+    launch(cloud, deployment(tmp_path, network, decode={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0def"}))
+    d, p = gaps.run_instances_wire  # D first: the router's host (prefill-0) launches last
+    assert d["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0def"
+    assert "InstanceMarketOptions.MarketType" not in d and not any(k.startswith("Placement.") for k in d)
+    assert p["Placement.GroupName"] == "neuron-disagg-t1"  # P has no reservation: the cluster group
+
+
+@pytest.mark.parametrize("reservation, message", [
+    ({"instance_type": "p5en.48xlarge"}, "it reserves p5en.48xlarge, not trn2.48xlarge"),
+    ({"zone": "elsewhere"}, "it is in elsewhere but the subnet is in"),
+    ({"state": "scheduled"}, "it starts at 2026-12-24"),
+    ({"state": "expired"}, "its state is 'expired'"),
+    ({"free": 1}, "1 of its 4 instances are free, 2 needed"),
+    (None, "does not exist"),
+])
+def test_a_reservation_that_cannot_take_the_instances_fails_before_anything_is_created(
+        cloud, network, baked_ami, gaps, ec2, tmp_path, reservation, message):
+    if reservation is not None:
+        gaps.reserve("cr-0abc", reservation.get("instance_type", "trn2.48xlarge"),
+                     reservation.get("zone", network["zone"]), state=reservation.get("state", "active"),
+                     free=reservation.get("free", 4))
+    group = {"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}
+    with pytest.raises(ReservationUnusable, match=message):
+        launch(cloud, deployment(tmp_path, network, prefill=group, decode=group))
+    assert gaps.placement_groups == {} and gaps.run_instances_wire == []
+    assert not ec2.describe_security_groups(Filters=[{"Name": "group-name", "Values": ["neuron-disagg-t1"]}])[
+        "SecurityGroups"]
+
+
+def test_a_full_reservation_at_launch_says_so_instead_of_advising_to_buy_one(cloud, network, baked_ami, gaps, ec2,
+                                                                             tmp_path):
+    gaps.reserve("cr-0abc", "trn2.48xlarge", network["zone"])
+    gaps.fail_run_instances = ("ReservationCapacityExceeded", "The requested reservation does not have sufficient "
+                                                              "compatible and available capacity for this request.")
+    gaps.fail_after = 1
+    group = {"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}
+    with pytest.raises(ReservationUnusable) as err:
+        launch(cloud, deployment(tmp_path, network, prefill=group, decode=group))
+    assert "cr-0abc has no free" in str(err.value) and "offerings" not in str(err.value)
+    assert "terminated the 1 instance(s)" in str(err.value) and instances_of(ec2) == []
+
+
+def test_an_unexpected_failure_midway_still_terminates_what_was_launched(cloud, network, baked_ami, gaps, ec2,
+                                                                         tmp_path):
+    gaps.raise_on_run_instances = ReadTimeoutError(endpoint_url="https://ec2.us-east-2.amazonaws.com")
+    gaps.fail_after = 1
+    with pytest.raises(ReadTimeoutError):
+        launch(cloud, deployment(tmp_path, network))
+    assert instances_of(ec2) == []
+    assert "launch stopped by ReadTimeoutError: terminated the 1 instance(s)" in cloud.log.getvalue()
+
+
+def test_without_a_baked_ami_launch_refuses_the_plain_dlami(cloud, network, public_parameters, gaps, ec2, tmp_path):
+    public_parameters.values[ami.DLAMI_PARAMETERS["neuron"]] = register_image(ec2, "stand-in-for-the-neuron-dlami")
+    with pytest.raises(ami.AmiNotFound, match="boot but not serve.*ami/build.sh.*allow_stock_ami"):
+        launch(cloud, deployment(tmp_path, network))
+    assert gaps.run_instances_wire == [] and gaps.placement_groups == {}
+
+
+def test_an_ami_id_that_is_not_ours_is_refused_too(cloud, network, gaps, ec2, tmp_path):
+    stock = register_image(ec2, "someone-elses-image")
+    with pytest.raises(ami.AmiNotFound, match=f"ami_id {stock} is not a neuron-disagg AMI"):
+        launch(cloud, deployment(tmp_path, network, ami_id=stock))
+    assert gaps.run_instances_wire == []
+
+
+def test_with_allow_stock_ami_the_dlami_comes_from_ssm(cloud, network, public_parameters, ec2, tmp_path):
     stock = register_image(ec2, "stand-in-for-the-neuron-dlami")  # untagged: not ours
     public_parameters.values[ami.DLAMI_PARAMETERS["neuron"]] = stock
-    launch(cloud, deployment(tmp_path, network))
+    launch(cloud, deployment(tmp_path, network, allow_stock_ami=True))
     assert public_parameters.asked == [ami.DLAMI_PARAMETERS["neuron"]]
     assert {i["ImageId"] for i in instances_of(ec2)} == {stock}
     assert "lacks the neuron-disagg systemd units" in cloud.log.getvalue()
@@ -259,6 +331,6 @@ def test_missing_secret_fails_before_any_aws_call(cloud, network, gaps, ec2, tmp
 
 def test_no_baked_ami_and_no_dlami_parameter_says_how_to_fix_it(cloud, network, public_parameters, gaps, tmp_path):
     with pytest.raises(ami.AmiNotFound, match="set ami_id in the deployment config, or bake an AMI"):
-        launch(cloud, deployment(tmp_path, network))
+        launch(cloud, deployment(tmp_path, network, allow_stock_ami=True))
     assert gaps.run_instances_wire == []
     assert public_parameters.asked == [ami.DLAMI_PARAMETERS["neuron"]]
