@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import ami, network, reservations, secret_parameter, user_data
+from . import ami, network, preflight, reservations, secret_parameter, user_data
 from .cloud import Cloud, placeholder
 from .errors import DeployError, DeploymentExists, ReservationUnusable
 from .instance_types import InstanceTypeInfo, describe
@@ -132,6 +132,8 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
         images[platform] = (image_id, ami.root_device(cloud, image_id))
         cloud.note(f"{platform} instances boot {image_id}: {source}")
     vpc_id, zone = subnet_facts(cloud, deployment.subnet_id)
+    preflight.check_zone_offers(cloud, zone, [deployment.prefill.instance_type, deployment.decode.instance_type])
+    preflight.check_outbound(cloud, deployment.subnet_id, vpc_id, reads_ssm=not deployment.secret_in_user_data)
     reserved = check_reservations(cloud, deployment, zone)
     tags = deployment.resource_tags()
     result = LaunchResult()

@@ -243,9 +243,28 @@ def ec2(session):
 
 @pytest.fixture
 def network(ec2) -> dict[str, str]:
+    """A private subnet whose default route is a NAT gateway in a public subnet, as a real EFA
+    deployment needs (its instances get no public IP)."""
     vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.20.1.0/24", AvailabilityZone=f"{REGION}a")["Subnet"]
-    return {"vpc_id": vpc, "subnet_id": subnet["SubnetId"], "zone": subnet["AvailabilityZone"]}
+    public = ec2.create_subnet(VpcId=vpc, CidrBlock="10.20.2.0/24", AvailabilityZone=f"{REGION}a")["Subnet"]
+    igw = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=igw, VpcId=vpc)
+    nat = ec2.create_nat_gateway(SubnetId=public["SubnetId"],
+                                 AllocationId=ec2.allocate_address(Domain="vpc")["AllocationId"])["NatGateway"]
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    ec2.create_route(RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat["NatGatewayId"])
+    ec2.associate_route_table(RouteTableId=table, SubnetId=subnet["SubnetId"])
+    return {"vpc_id": vpc, "subnet_id": subnet["SubnetId"], "zone": subnet["AvailabilityZone"], "route_table": table,
+            "nat": nat["NatGatewayId"], "igw": igw}
+
+
+def subnet_in(ec2, network: dict[str, str], zone: str, cidr: str = "10.20.4.0/24") -> str:
+    """Another private subnet of ``network``, in ``zone``, routed through its NAT gateway (moto carries
+    AWS's offerings: us-east-2a offers trn2.48xlarge and p5en.48xlarge, only us-east-2c trn1.32xlarge)."""
+    subnet = ec2.create_subnet(VpcId=network["vpc_id"], CidrBlock=cidr, AvailabilityZone=zone)["Subnet"]["SubnetId"]
+    ec2.associate_route_table(RouteTableId=network["route_table"], SubnetId=subnet)
+    return subnet
 
 
 def register_image(ec2, name: str, platform: str | None = None) -> str:

@@ -19,7 +19,7 @@ from neuron_disagg.deploy.capacity import offerings, print_offerings
 from neuron_disagg.deploy.cloud import Cloud, translate
 from neuron_disagg.deploy.errors import MissingCredentials, PermissionDenied, QuotaExceeded
 
-from .conftest import SECRET, write_config
+from .conftest import REGION, SECRET, subnet_in, write_config
 
 
 @pytest.fixture
@@ -101,8 +101,9 @@ def test_dry_run_of_the_installed_command_needs_no_aws_at_all(tmp_path):
 
 def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami, ec2, tmp_path, capsys):
     config = str(write_config(tmp_path, network, prefill={"count": 1}, decode={"count": 1}))
+    trn1_zone = subnet_in(ec2, network, f"{REGION}c")
 
-    assert cli.main(["launch", config, "--instance-type", "trn1.32xlarge", "--name", "cli"]) == 0
+    assert cli.main(["launch", config, "--instance-type", "trn1.32xlarge", "--name", "cli", "--subnet", trn1_zone]) == 0
     out, err = capsys.readouterr()
     assert "1P1D launched" in err and "cli-prefill-0" in out and "<- router" in out
     assert "the secret is in SecureString /neuron-disagg/cli/secret; teardown deletes it" in err

@@ -21,11 +21,12 @@ from botocore.exceptions import ReadTimeoutError
 from neuron_disagg.deploy.errors import (DeploymentExists, MissingCredentials, NoCapacity, ReservationUnusable,
                                          UnsupportedInstanceType)
 from neuron_disagg.deploy.launch import launch
+from neuron_disagg.deploy.preflight import SubnetUnusable
 from neuron_disagg.deploy.settings import DeploymentConfig
 from neuron_disagg.deploy.status import status
 from neuron_disagg.deploy.teardown import teardown
 
-from .conftest import INSTANCE_PROFILE, REGION, SECRET, register_image, write_config
+from .conftest import INSTANCE_PROFILE, REGION, SECRET, register_image, subnet_in, write_config
 
 
 def deployment(tmp_path, network, **values) -> DeploymentConfig:
@@ -104,8 +105,9 @@ def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2
     info = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]["NetworkInfo"]
     assert info["MaximumNetworkCards"] == cards  # the layout below comes from this, not from a table
 
+    subnet = subnet_in(ec2, network, f"{REGION}c" if instance_type == "trn1.32xlarge" else network["zone"])
     result = launch(cloud, deployment(tmp_path, network, prefill={"instance_type": instance_type},
-                                      decode={"instance_type": instance_type}))
+                                      decode={"instance_type": instance_type}, subnet_id=subnet))
 
     wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == instance_type]
     assert len(wire) == 2
@@ -115,7 +117,7 @@ def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2
         assert layout[0]["InterfaceType"] == "efa"
         assert {i["InterfaceType"] for i in layout[1:]} == {"efa-only"}
         assert {i["DeviceIndex"] for i in layout} == {"0"}
-        assert all(i["SubnetId"] == network["subnet_id"] and i["SecurityGroupId.1"] == result.security_group_id
+        assert all(i["SubnetId"] == subnet and i["SecurityGroupId.1"] == result.security_group_id
                    and i["DeleteOnTermination"] == "true" for i in layout)
         assert "SubnetId" not in body and "SecurityGroupId.1" not in body  # only on the interfaces
 
@@ -334,3 +336,34 @@ def test_no_baked_ami_and_no_dlami_parameter_says_how_to_fix_it(cloud, network, 
         launch(cloud, deployment(tmp_path, network, allow_stock_ami=True))
     assert gaps.run_instances_wire == []
     assert public_parameters.asked == [ami.DLAMI_PARAMETERS["neuron"]]
+
+
+def test_a_zone_that_does_not_offer_the_type_fails_before_anything_is_created(cloud, network, baked_ami, gaps, ec2,
+                                                                             tmp_path):
+    # moto carries AWS's offerings: of us-east-2's zones only us-east-2c offers trn1.32xlarge
+    with pytest.raises(SubnetUnusable, match=f"{REGION}a does not offer trn1.32xlarge; it is offered in "
+                                             f"{REGION}c: use a subnet there"):
+        launch(cloud, deployment(tmp_path, network, decode={"instance_type": "trn1.32xlarge"}))
+    assert gaps.placement_groups == {} and gaps.run_instances_wire == []
+
+
+@pytest.mark.parametrize("route", ["igw", None])
+def test_a_subnet_the_instances_cannot_reach_out_of_fails_before_anything_is_created(cloud, network, baked_ami, gaps,
+                                                                                    ec2, tmp_path, route):
+    ec2.delete_route(RouteTableId=network["route_table"], DestinationCidrBlock="0.0.0.0/0")
+    if route == "igw":  # a public subnet's route: useless to instances without a public IP
+        ec2.create_route(RouteTableId=network["route_table"], DestinationCidrBlock="0.0.0.0/0", GatewayId=network["igw"])
+    with pytest.raises(SubnetUnusable, match="could not read the deployment secret.*NAT gateway") as err:
+        launch(cloud, deployment(tmp_path, network))
+    assert ("no public IP" in str(err.value)) == (route == "igw")
+    assert gaps.placement_groups == {} and gaps.run_instances_wire == []
+
+
+def test_with_an_ssm_endpoint_and_no_nat_launch_goes_on_and_warns_about_the_model(cloud, network, baked_ami, ec2,
+                                                                                  tmp_path):
+    ec2.delete_route(RouteTableId=network["route_table"], DestinationCidrBlock="0.0.0.0/0")
+    ec2.create_vpc_endpoint(VpcId=network["vpc_id"], ServiceName=f"com.amazonaws.{REGION}.ssm",
+                            VpcEndpointType="Interface", SubnetIds=[network["subnet_id"]])
+    launch(cloud, deployment(tmp_path, network))
+    assert len(instances_of(ec2)) == 2
+    assert "model download from Hugging Face will fail" in cloud.log.getvalue()
