@@ -123,6 +123,8 @@ source "amazon-ebs" "neuron" {
   subnet_id               = var.subnet_id
   capacity_reservation_id = var.capacity_reservation_id
   ssh_username            = "ubuntu"
+  # Packer's temporary security group lets SSH in from this machine's public address only, not 0.0.0.0/0.
+  temporary_security_group_source_public_ip = true
   ami_name                = "neuron-disagg-neuron-${var.package_version}-${local.stamp}"
   ami_description         = "neuron-disagg ${var.package_version} on the Neuron DLAMI: EFA, NIXL ${var.nixl_version}, vLLM (vllm-neuron), units"
   launch_block_device_mappings {
@@ -145,6 +147,7 @@ source "amazon-ebs" "cuda" {
   subnet_id               = var.subnet_id
   capacity_reservation_id = var.capacity_reservation_id
   ssh_username            = "ubuntu"
+  temporary_security_group_source_public_ip = true
   ami_name                = "neuron-disagg-cuda-${var.package_version}-${local.stamp}"
   ami_description         = "neuron-disagg ${var.package_version} on the GPU DLAMI: EFA, NIXL ${var.nixl_version}, vLLM, units"
   launch_block_device_mappings {

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Install the EFA software (kernel module, rdma-core, libfabric with the efa provider) from AWS's
-# installer, but only after its GPG signature checks out against the key fingerprint AWS publishes
+# installer unless the image already has a new enough one (EFA_REINSTALL=1 forces it), but only after its GPG signature checks out against the key fingerprint AWS publishes
 # (pinned below): the key is downloaded from the same place as the tarball, so the fingerprint is
 # what makes the check mean something.
 set -euo pipefail
@@ -11,7 +11,40 @@ EFA_KEY_FINGERPRINT="${EFA_KEY_FINGERPRINT:-4E9091BCBB97A96B26B15E59A05480B1DD2D
 EFA_PREFIX="${EFA_PREFIX:-/opt/amazon/efa}"  # where the installer puts libfabric (tests point it elsewhere)
 MIN_LIBFABRIC="1.21"  # NIXL's LIBFABRIC plugin needs at least this (shared/notes/neuron-efa-aws.md)
 
+EFA_INSTALLED="${EFA_INSTALLED:-/opt/amazon/efa_installed_packages}"  # the installer's own record
+MODULES_LOAD_DIR="${MODULES_LOAD_DIR:-/etc/modules-load.d}"
+PLATFORM="${PLATFORM:-}"
+
 die() { echo "10-efa: $*" >&2; exit 1; }
+
+libfabric_version() { "$EFA_PREFIX/bin/fi_info" --version 2> /dev/null | awk '/libfabric:/ { print $2; exit }'; }
+new_enough() {  # $1: a libfabric version
+  local lowest
+  lowest=$(printf '%s\n%s\n' "$MIN_LIBFABRIC" "${1%%[a-z]*}" | sort -V | head -n1)
+  [[ "$lowest" == "$MIN_LIBFABRIC" ]]
+}
+no_gpu_peermem() {
+  # efa_nv_peermem serves GPUDirect RDMA; on a Trainium image it has no GPU driver to bind to and
+  # its module-load entry fails at every boot.
+  [[ "$PLATFORM" == "neuron" ]] || return 0
+  local conf
+  for conf in "$MODULES_LOAD_DIR"/*.conf; do
+    [[ -e "$conf" ]] || continue
+    if grep -q '^efa_nv_peermem' "$conf"; then
+      sed -i '/^efa_nv_peermem/d' "$conf"
+      echo "10-efa: removed efa_nv_peermem from $conf (no GPU on Trainium)"
+    fi
+  done
+}
+
+# The DLAMIs ship EFA already: reinstalling over it rebuilds the kernel module for nothing (and
+# can leave the image's and the installer's packages disagreeing). Keep it if it is new enough.
+installed=$(libfabric_version || true)
+if [[ -e "$EFA_INSTALLED" && -n "$installed" ]] && new_enough "$installed" && [[ "${EFA_REINSTALL:-0}" != 1 ]]; then
+  echo "10-efa: the image's EFA is current (libfabric $installed in $EFA_PREFIX, $EFA_INSTALLED): not reinstalling"
+  no_gpu_peermem
+  exit 0
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -40,8 +73,8 @@ tar -xzf "$tarball"
 
 # Verify: the library NIXL loads is there and new enough.
 [[ -e "$EFA_PREFIX/lib/libfabric.so.1" ]] || die "$EFA_PREFIX/lib/libfabric.so.1 missing after the install"
-version=$("$EFA_PREFIX/bin/fi_info" --version | awk '/libfabric:/ { print $2; exit }')
+version=$(libfabric_version)
 [[ -n "$version" ]] || die "fi_info did not report a libfabric version"
-lowest=$(printf '%s\n%s\n' "$MIN_LIBFABRIC" "${version%%[a-z]*}" | sort -V | head -n1)
-[[ "$lowest" == "$MIN_LIBFABRIC" ]] || die "libfabric $version is older than $MIN_LIBFABRIC, which NIXL needs"
+new_enough "$version" || die "libfabric $version is older than $MIN_LIBFABRIC, which NIXL needs"
 echo "10-efa: libfabric $version installed in $EFA_PREFIX"
+no_gpu_peermem

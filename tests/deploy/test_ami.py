@@ -265,3 +265,38 @@ def test_efa_installer_refuses_a_tampered_tarball(efa_site):
     done = run_efa(efa_site, efa_site["fingerprint"])
     assert done.returncode == 1 and "does not verify" in done.stderr
     assert not efa_site["prefix"].exists()
+
+
+def test_builders_let_ssh_in_from_the_building_machine_only(template):
+    for name, source in blocks(template["source"], "amazon-ebs").items():
+        assert source.get("temporary_security_group_source_public_ip") is True, name
+
+
+def _installed_efa(tmp_path, libfabric: str) -> dict:
+    prefix = tmp_path / "efa"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "fi_info").write_text(f'#!/bin/sh\necho "libfabric: {libfabric}"\n')
+    (prefix / "bin" / "fi_info").chmod(0o755)
+    record = tmp_path / "efa_installed_packages"
+    record.write_text("# EFA installer version: 1.38.0\n")
+    modules = tmp_path / "modules-load.d"
+    modules.mkdir()
+    (modules / "efa.conf").write_text("efa\nefa_nv_peermem\n")
+    return {**os.environ, "EFA_PREFIX": str(prefix), "EFA_INSTALLED": str(record), "MODULES_LOAD_DIR": str(modules),
+            "EFA_URL": "http://127.0.0.1:9/nothing-here"}
+
+
+@pytest.mark.parametrize("platform", ["neuron", "cuda"])
+def test_an_image_whose_efa_is_current_is_not_reinstalled(tmp_path, platform):
+    env = {**_installed_efa(tmp_path, "1.22.0amzn4.0"), "PLATFORM": platform}
+    done = subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "the image's EFA is current (libfabric 1.22.0amzn4.0" in done.stdout
+    modules = (tmp_path / "modules-load.d" / "efa.conf").read_text()
+    assert modules == ("efa\n" if platform == "neuron" else "efa\nefa_nv_peermem\n")
+
+
+def test_an_image_whose_efa_is_too_old_is_reinstalled(tmp_path):
+    env = {**_installed_efa(tmp_path, "1.18.1amzn1.0"), "PLATFORM": "neuron"}
+    done = subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "not reinstalling" not in done.stdout  # went for the installer (unreachable here)
