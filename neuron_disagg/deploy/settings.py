@@ -183,7 +183,7 @@ class DeploymentConfig(BaseModel):
     def require_launchable(self) -> None:
         self.require("region", "subnet_id", "prefill.instance_type", "decode.instance_type")
         if not self.secret_in_user_data and not self.iam_instance_profile:
-            raise DeploymentConfigError(missing_instance_profile_advice(self.secret_parameter))
+            raise DeploymentConfigError(missing_instance_profile_advice(self.secret_parameter, self.name))
 
     # -- derived --------------------------------------------------------------------------------------
     def instance_config(self) -> dict[str, Any]:
@@ -211,29 +211,41 @@ class DeploymentConfig(BaseModel):
         return {**self.tags, "neuron-disagg:deployment": self.name}
 
 
-def missing_instance_profile_advice(parameter: str) -> str:
+SESSION_ACTIONS = ("ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel",
+                   "ssmmessages:CreateDataChannel", "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel")
+
+
+def instance_role_name(deployment: str) -> str:
+    return f"neuron-disagg-{deployment}"
+
+
+def missing_instance_profile_advice(parameter: str, deployment: str) -> str:
     """What to do when the instances would have no role to read the secret with: the commands that
-    create one (the same as examples/README.md, step 2), or the inline opt-in and its cost."""
-    # One statement for every deployment under the default prefix; an overridden name elsewhere is named exactly.
-    readable = "/neuron-disagg/*" if parameter.startswith("/neuron-disagg/") else parameter
+    create one for this deployment (the same as examples/README.md, step 2), or the inline opt-in
+    and its cost. One role per deployment, allowed exactly its own parameter: an instance of one
+    deployment cannot read another's secret. SSM sessions get the few actions they need rather than
+    AmazonSSMManagedInstanceCore, which also allows ssm:GetParameter on every parameter."""
+    role = instance_role_name(deployment)
     policy = ('{"Version":"2012-10-17","Statement":['
-              f'{{"Effect":"Allow","Action":"ssm:GetParameter","Resource":"arn:aws:ssm:*:*:parameter{readable}"}},'
+              f'{{"Effect":"Allow","Action":"ssm:GetParameter","Resource":"arn:aws:ssm:*:*:parameter{parameter}"}},'
               '{"Effect":"Allow","Action":"kms:Decrypt","Resource":"*",'
               '"Condition":{"StringLike":{"kms:ViaService":"ssm.*.amazonaws.com"}}}]}')
+    sessions = ('{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":['
+                + ",".join(f'"{a}"' for a in SESSION_ACTIONS) + '],"Resource":"*"}]}')
     trust = ('{"Version":"2012-10-17","Statement":[{"Effect":"Allow",'
              '"Principal":{"Service":"ec2.amazonaws.com"},"Action":"sts:AssumeRole"}]}')
     return (
         f"no iam_instance_profile: launch stores the deployment secret in the SSM SecureString {parameter} "
         "and each instance reads it at boot with its instance profile's role, so the instances need one.\n"
-        "Create one once (examples/README.md, step 2, explains each command):\n"
-        f"  aws iam create-role --role-name neuron-disagg --assume-role-policy-document '{trust}'\n"
-        "  aws iam put-role-policy --role-name neuron-disagg --policy-name neuron-disagg-secret "
+        "Create one for this deployment (examples/README.md, step 2, explains each command):\n"
+        f"  aws iam create-role --role-name {role} --assume-role-policy-document '{trust}'\n"
+        f"  aws iam put-role-policy --role-name {role} --policy-name neuron-disagg-secret "
         f"--policy-document '{policy}'\n"
-        "  aws iam attach-role-policy --role-name neuron-disagg "
-        "--policy-arn arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore   # optional: SSM sessions\n"
-        "  aws iam create-instance-profile --instance-profile-name neuron-disagg\n"
-        "  aws iam add-role-to-instance-profile --instance-profile-name neuron-disagg --role-name neuron-disagg\n"
-        "then set iam_instance_profile: neuron-disagg (or pass --iam-instance-profile neuron-disagg; "
-        "IAM_INSTANCE_PROFILE=neuron-disagg for the example scripts).\n"
+        f"  aws iam put-role-policy --role-name {role} --policy-name neuron-disagg-sessions "
+        f"--policy-document '{sessions}'   # optional: SSM sessions\n"
+        f"  aws iam create-instance-profile --instance-profile-name {role}\n"
+        f"  aws iam add-role-to-instance-profile --instance-profile-name {role} --role-name {role}\n"
+        f"then set iam_instance_profile: {role} (or pass --iam-instance-profile {role}; "
+        f"IAM_INSTANCE_PROFILE={role} for the example scripts).\n"
         "Or, where no instance profile is possible, set secret_in_user_data: true (--secret-in-user-data): "
         "the secret then travels in the user data, readable by anyone allowed ec2:DescribeInstanceAttribute.")

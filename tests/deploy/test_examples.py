@@ -115,17 +115,19 @@ def test_aws_examples_fail_early_with_a_clear_message(tmp_path, missing, message
 
 
 def test_walk_through_creates_the_instance_profile_the_launch_message_names():
-    """examples/README.md (step 2) and launch's message give the same role policy: the one that lets the
-    instances read /neuron-disagg/* with kms:Decrypt through SSM."""
+    """examples/README.md (step 2) gives exactly the commands launch's message gives for the walk-through's
+    deployment: one role per deployment, reading that deployment's secret alone."""
     readme = (EXAMPLES / "README.md").read_text()
-    message = missing_instance_profile_advice("/neuron-disagg/x/secret")
-    policy = re.search(r"--policy-document '([^']+)'", message).group(1)
-    assert f"--policy-document '{policy}'" in readme
-    statements = {s["Action"]: s for s in json.loads(policy)["Statement"]}
-    assert set(statements) == {"ssm:GetParameter", "kms:Decrypt"}
-    for command in ("aws iam create-instance-profile --instance-profile-name neuron-disagg",
-                    "aws iam add-role-to-instance-profile --instance-profile-name neuron-disagg --role-name neuron-disagg"):
-        assert command in readme and command in message
+    message = missing_instance_profile_advice("/neuron-disagg/qwen3-32b-trn2/secret", "qwen3-32b-trn2")
+    commands = [line.strip() for line in message.splitlines() if line.strip().startswith("aws iam ")]
+    assert len(commands) == 5
+    for command in commands:
+        assert command in readme
+    policy = json.loads(re.search(r"--policy-name neuron-disagg-secret --policy-document '([^']+)'", message).group(1))
+    statements = {s["Action"]: s for s in policy["Statement"]}
+    assert statements["ssm:GetParameter"]["Resource"] == "arn:aws:ssm:*:*:parameter/neuron-disagg/qwen3-32b-trn2/secret"
+    assert "AmazonSSMManagedInstanceCore" not in message
+    assert "IAM_INSTANCE_PROFILE=neuron-disagg-qwen3-32b-trn2" in readme
 
 
 def test_local_example_needs_the_venv(tmp_path):

@@ -6,6 +6,7 @@ it; without an instance profile to read it with, launch stops with the commands 
 from __future__ import annotations
 
 import base64
+import fnmatch
 import io
 import json
 import re
@@ -128,8 +129,8 @@ def test_without_an_instance_profile_launch_stops_before_any_aws_call(cloud, net
     message = str(err.value)
     assert message.startswith("no iam_instance_profile")
     assert f"SecureString {PARAMETER}" in message
-    assert "aws iam create-instance-profile --instance-profile-name neuron-disagg" in message
-    assert "--iam-instance-profile neuron-disagg" in message and "secret_in_user_data: true" in message
+    assert "aws iam create-instance-profile --instance-profile-name neuron-disagg-t1" in message
+    assert "--iam-instance-profile neuron-disagg-t1" in message and "secret_in_user_data: true" in message
     assert parameter_missing(ssm) and gaps.placement_groups == {} and instances_of(ec2) == []
 
 
@@ -139,29 +140,34 @@ def aws_iam_commands(message: str) -> list[list[str]]:
 
 def test_the_commands_the_message_gives_create_a_profile_launch_accepts(session, network, baked_ami, ssm, tmp_path):
     """Run the message's `aws iam` commands (as boto3 calls, against moto): the JSON documents parse, the
-    policy names the parameter's path, and launch then works with the profile they made."""
+    role may read this deployment's parameter and no other, and launch then works with the profile."""
     with pytest.raises(DeploymentConfigError) as err:
         deployment(tmp_path, network, iam_instance_profile=None).require_launchable()
     iam = session.client("iam")
-    policies = []
+    policies = {}
     for words in aws_iam_commands(str(err.value)):
         operation = words[2].replace("-", "_")
-        if operation == "attach_role_policy":
-            assert words[-1] == "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
-            continue  # AWS-managed policies are not loaded in moto; this one only adds SSM sessions
+        assert operation != "attach_role_policy"  # no managed policy: AmazonSSMManagedInstanceCore reads any parameter
         options = {re.sub(r"(^|-)(\w)", lambda m: m.group(2).upper(), words[i][2:]): words[i + 1]
                    for i in range(3, len(words), 2)}
         if operation == "put_role_policy":
-            policies.append(json.loads(options["PolicyDocument"]))
+            policies[options["PolicyName"]] = json.loads(options["PolicyDocument"])
         getattr(iam, operation)(**options)
-    assert iam.get_instance_profile(InstanceProfileName="neuron-disagg")["InstanceProfile"]["Roles"][0][
-        "RoleName"] == "neuron-disagg"
-    statements = {s["Action"]: s for s in policies[0]["Statement"]}
-    assert statements["ssm:GetParameter"]["Resource"] == "arn:aws:ssm:*:*:parameter/neuron-disagg/*"
-    assert statements["kms:Decrypt"]["Condition"] == {"StringLike": {"kms:ViaService": "ssm.*.amazonaws.com"}}
+    assert iam.get_instance_profile(InstanceProfileName="neuron-disagg-t1")["InstanceProfile"]["Roles"][0][
+        "RoleName"] == "neuron-disagg-t1"
+    allowed = [(action, s["Resource"]) for p in policies.values() for s in p["Statement"]
+               for action in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])]
+    # What reads parameters, and on what (the documents' own globs; moto does not enforce IAM).
+    readers = [resource for action, resource in allowed if action.startswith("ssm:GetParameter") or action == "ssm:*"]
+    assert readers == [f"arn:aws:ssm:*:*:parameter{PARAMETER}"]
+    other = "arn:aws:ssm:us-east-2:123456789012:parameter/neuron-disagg/another-deployment/secret"
+    assert not any(fnmatch.fnmatchcase(other, glob) for glob in readers)
+    assert fnmatch.fnmatchcase(f"arn:aws:ssm:us-east-2:123456789012:parameter{PARAMETER}", readers[0])
+    kms = next(s for s in policies["neuron-disagg-secret"]["Statement"] if s["Action"] == "kms:Decrypt")
+    assert kms["Condition"] == {"StringLike": {"kms:ViaService": "ssm.*.amazonaws.com"}}
 
     result = launch(Cloud(session, log=io.StringIO()),
-                    deployment(tmp_path, network, iam_instance_profile="neuron-disagg"))
+                    deployment(tmp_path, network, iam_instance_profile="neuron-disagg-t1"))
     assert len(result.instances) == 2
 
 
