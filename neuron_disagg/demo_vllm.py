@@ -105,8 +105,11 @@ def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
                 for i, prompt in enumerate(PROMPTS, 1):
                     request_id = f"demo-{mode}-{i}"
                     text, ttft, total = _stream(client, r.url, prompt, max_tokens, mode, request_id)
+                    # The salt keeps D's prefix cache, which holds the KV just transferred, out of the
+                    # reference: D computes every token of the prompt itself.
                     alone = client.post(f"{d.url}/v1/completions", json={
-                        "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}).json()
+                        "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+                        "cache_salt": f"{request_id}-reference-{secrets.token_hex(4)}"}).json()
                     same = alone["choices"][0]["text"] == text
                     ok &= same
                     console.print(f"  request {i} ({len(prompt.split())} words): TTFT {ttft:.0f} ms, total {total:.0f} ms, "
