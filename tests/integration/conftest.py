@@ -1,7 +1,7 @@
 import pytest
 
 from ..vllm_envs import extra_env, main_env
-from .fabrics import libfabric, ucx
+from .fabrics import libfabric, peers_on, ucx
 
 
 @pytest.fixture(scope="session", params=["UCX", "LIBFABRIC"])
@@ -18,15 +18,8 @@ def ucx_peers():
     """Starts P and D peer processes over UCX (for tests about what no fabric changes) and kills
     them after the test."""
     pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
-    fabric, started = ucx(), []
-
-    def start(role, *args):
-        started.append(fabric.peer(role, *args))
-        return started[-1]
-
-    yield start
-    for proc in started:
-        proc.kill()
+    with peers_on(ucx()) as start:
+        yield start
 
 
 @pytest.fixture(scope="package", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")

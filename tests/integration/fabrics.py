@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,22 @@ class Fabric:
         if self.holder is not None and self.holder.poll() is None:
             self.holder.kill()
             self.holder.wait(10)
+
+
+@contextmanager
+def peers_on(fabric: Fabric):
+    """A function starting peer processes on ``fabric``; every one it started is killed on exit."""
+    started: list[PeerProcess] = []
+
+    def start(role: str, *args: str) -> PeerProcess:
+        started.append(fabric.peer(role, *args))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.kill()
 
 
 def ucx() -> Fabric:

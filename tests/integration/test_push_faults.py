@@ -11,21 +11,16 @@ from neuron_disagg.transfer.peer import SHAPE
 
 from neuron_disagg.transfer.peer_process import SECRET
 
+from .fabrics import peers_on
+
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
 
 
 @pytest.fixture
 def procs(fabric):
-    started = []
-
-    def start(role, *args):
-        started.append(fabric.peer(role, *args))
-        return started[-1]
-
-    yield start
-    for proc in started:
-        proc.kill()
+    with peers_on(fabric) as start:
+        yield start
 
 
 def _decode(procs, *extra):
