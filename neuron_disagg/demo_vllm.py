@@ -75,7 +75,9 @@ def _counters(instance) -> str:
     return ", ".join(f"{k.removeprefix('neuron_disagg_').removesuffix('_total')} {v:,.0f}" for k, v in totals.items())
 
 
-def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
+def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: dict | None = None) -> int:
+    """0 if every answer equals D computing the prompt alone; ``decode_env`` is added to the decode
+    instance's environment (a test injects a fault through it)."""
     console = console or Console()
     secret = secrets.token_hex(32)  # this demo's deployment secret, shared by P and D only
     with console.status("building the tiny model (once)..."):
@@ -84,7 +86,7 @@ def run_demo(console: Console | None = None, max_tokens: int = 24) -> int:
     marks = tempfile.mkdtemp(prefix="neuron-disagg-demo-timeline-")
     config = {**CONFIG, "timeline_dir": marks}
     p = disaggregated("prefill", model, free_port(), p_side, "0", secret, config)
-    d = disaggregated("decode", model, free_port(), free_port(), "1", secret, config)
+    d = disaggregated("decode", model, free_port(), free_port(), "1", secret, config, env=decode_env)
     r = router([(p.url, p_side)], [d.url], free_port(), timeline_dir=marks)
     started = []
     ok = True

@@ -127,12 +127,14 @@ def _cores(spec: str) -> set[int]:
 
 
 def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu: str, secret: str,
-                  config_overrides: dict | None = None, python: str = sys.executable, **kwargs) -> Instance:
+                  config_overrides: dict | None = None, python: str = sys.executable, env: dict | None = None,
+                  **kwargs) -> Instance:
     """A prefill or decode instance; ``secret`` is the deployment secret (the same for P and D);
-    ``python``: the interpreter of the vLLM environment to serve from (tests run several)."""
+    ``python``: the interpreter of the vLLM environment to serve from (tests run several);
+    ``env``: added to the instance's environment."""
     config = Config.from_mapping({"side_channel_port": side_channel_port, **(config_overrides or {})})
     return Instance(role, build_command(role, model, config, vllm_args(port, **kwargs), python), port, cpu,
-                    env={config.secret_env: secret})
+                    env={**(env or {}), config.secret_env: secret})
 
 
 REFERENCE_CONNECTORS = {"vllm-push": "NixlPushConnector", "vllm-pull": "NixlConnector"}

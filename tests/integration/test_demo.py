@@ -1,0 +1,64 @@
+"""`neuron-disagg demo` as the README runs it, and what makes its verdict mean something: with one
+pushed block corrupted on D (a fault injected into D's processes through its environment), the
+demo reports the mismatch and fails. Its reference is D computing the prompt under a cache salt:
+without it, the reference would read most of the transferred KV back from D's own prefix cache
+and so compare that KV largely with itself."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+pytestmark = pytest.mark.integration
+
+# Loaded by every Python process of D (PYTHONPATH): fills the first destination block of the first
+# KV region with 0x7f bytes as soon as a transfer lands, before vLLM is told the KV is there.
+CORRUPT_ONE_BLOCK = '''
+import ctypes
+import neuron_disagg.vllm.worker as worker
+
+_hand_off, _on_loaded = worker.WorkerSide.hand_off, worker.WorkerSide._on_loaded
+
+
+def hand_off(self, step):
+    blocks = self.__dict__.setdefault("_test_blocks", {})
+    for reg in step.register:
+        blocks[reg.transfer_id] = reg.block_ids
+    for reg, _frames in step.read:
+        blocks[reg.transfer_id] = reg.block_ids
+    return _hand_off(self, step)
+
+
+def on_loaded(self, tid):
+    for block in self.__dict__.get("_test_blocks", {}).pop(tid, ())[:1]:
+        region = self.regions[0]
+        ctypes.memset(region.base_addr + block * region.block_stride_bytes, 0x7F, region.block_stride_bytes)
+    return _on_loaded(self, tid)
+
+
+worker.WorkerSide.hand_off, worker.WorkerSide._on_loaded = hand_off, on_loaded
+'''
+
+
+def _demo(**kwargs) -> tuple[int, str]:
+    pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+    from neuron_disagg.demo_vllm import run_demo
+
+    out = io.StringIO()
+    rc = run_demo(Console(file=out, width=200), **kwargs)
+    return rc, out.getvalue()
+
+
+def test_the_demo_passes():
+    rc, out = _demo()
+    assert rc == 0, out
+    assert out.count("same tokens as D computing alone") == 6 and "all answers matched" in out
+
+
+def test_a_corrupted_pushed_block_makes_the_demo_fail(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(CORRUPT_ONE_BLOCK)
+    rc, out = _demo(decode_env={"PYTHONPATH": str(tmp_path)})
+    assert rc == 1, out
+    assert "DIFFERS from D alone" in out and "demo did not pass" in out
