@@ -117,16 +117,23 @@ class SideChannelServer:
                     if key.fileobj is self._sock:
                         self._accept()
                     elif key.fileobj is not self._wake_r and key.fileobj in self._conns:
-                        conn = self._conns[key.fileobj]
-                        if events & selectors.EVENT_READ:
-                            self._read(conn)
-                        if events & selectors.EVENT_WRITE and conn.sock in self._conns:
-                            self._flush(conn)
+                        self._serve(self._conns[key.fileobj], events)
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._conns.values()):
                 self._close(conn)
             self._selector.close()
+
+    def _serve(self, conn: _Connection, events: int) -> None:
+        try:
+            if events & selectors.EVENT_READ:
+                self._read(conn)
+            if events & selectors.EVENT_WRITE and conn.sock in self._conns:
+                self._flush(conn)
+        except Exception:  # one connection's surprise must not end the side channel for every peer
+            self.rejected["handler_error"] += 1
+            log.exception("side channel closed a connection after an unexpected error")
+            self._close(conn)
 
     def _accept(self) -> None:
         for _ in range(64):  # a flood of connections must not starve the peers already connected

@@ -127,3 +127,24 @@ def test_connections_beyond_the_limit_are_refused(server):
     assert srv.rejected["connection_limit"] == 1
     for sock in held:
         sock.close()
+
+
+def test_an_error_in_the_handler_closes_that_connection_only(server):
+    srv = server()
+    calls = []
+
+    def on_message(message):
+        calls.append(message)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in whoever consumes messages")
+        return None
+
+    srv.on_message = on_message
+    first, second = SideChannelClient(WireCodec(SECRET)), SideChannelClient(WireCodec(SECRET))
+    addr = rank_address(srv.address, 0)
+    first.send(addr, HEARTBEAT)
+    wait(lambda: srv.rejected["handler_error"] == 1)
+    second.send(addr, HEARTBEAT)  # the server still serves
+    wait(lambda: len(calls) == 2)
+    first.close()
+    second.close()
