@@ -18,7 +18,7 @@ reading, moved by the real push writer and receiver threads over NIXL with signe
 
 Prints a line per check and a JSON summary last; exits 1 if any check fails. Needs torch, numpy,
 msgspec and NIXL (nixl-cu13 on CUDA 13); nothing else of the package's dependencies. See the
-README's "H200 device check" for bringing NIXL's wheel to a host without network.
+docs/h200-device-check.md for bringing NIXL's wheel to a host without network.
 """
 
 from __future__ import annotations

