@@ -134,8 +134,10 @@ def check_libfabric(backend: str) -> Check:
 def check_efa(platform) -> Check:
     efas = platform.efa_devices()
     if efas:
+        pairs = platform.efa_affinity()  # what NIXL's rail selection will find near each accelerator
+        nearest = "; nearest to each accelerator: " + ", ".join(f"{a}→{n}" for a, n in pairs.items()) if pairs else ""
         return Check("efa devices", "ok", f"{len(efas)} EFA device(s): {', '.join(d.name for d in efas[:4])}"
-                     + (" ..." if len(efas) > 4 else ""))
+                     + (" ..." if len(efas) > 4 else "") + nearest)
     if platform.name == "cpu":
         return Check("efa devices", "ok", "none (CPU host: UCX over TCP/shared memory)")
     return Check("efa devices", "warn", "no EFA device: KV will move over UCX/TCP, far slower between instances",

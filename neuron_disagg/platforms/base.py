@@ -19,7 +19,6 @@ Backend = Literal["UCX", "LIBFABRIC"]
 MemoryType = Literal["VRAM", "DRAM"]
 
 #: UCX's own default, spelled out: ``peer`` detects a dead peer; ``none`` hides it (see notes/nixl.md).
-UCX_INIT_PARAMS: dict[str, str] = {"ucx_error_handling_mode": "peer"}
 
 
 class Platform(ABC):
@@ -56,15 +55,9 @@ class Platform(ABC):
         """This platform's accelerators as PCI devices, in the runtime's device-index order."""
         return []
 
-    def nearest_efa(self, device_index: int) -> str | None:
-        """Name of the EFA device nearest to accelerator ``device_index`` (None: no EFA, or CPU)."""
-        accs = self.accelerators()
-        if not 0 <= device_index < len(accs):
-            return None
-        nic = pci.nearest(accs[device_index], self.efa_devices())
-        return nic.name if nic else None
-
     def efa_affinity(self) -> dict[str, str | None]:
+        """Accelerator -> the EFA device nearest it by PCI topology. NIXL's LIBFABRIC plugin picks its
+        rails by the same topology itself; `doctor` shows this so a user can check the pairing."""
         return pci.affinity(self.accelerators(), self.efa_devices())
 
     # -- NIXL ---------------------------------------------------------------------------------------
@@ -73,10 +66,6 @@ class Platform(ABC):
         if configured in ("UCX", "LIBFABRIC"):
             return configured  # type: ignore[return-value]
         return "LIBFABRIC" if self.efa_devices() else "UCX"
-
-    def nixl_init_params(self, backend: str) -> dict[str, str]:
-        """Parameters for ``nixl_agent.create_backend``; LIBFABRIC finds its rails itself."""
-        return dict(UCX_INIT_PARAMS) if backend == "UCX" else {}
 
     # -- fabric environment -------------------------------------------------------------------------
     def fabric_env(self, backend: str | None = None) -> dict[str, str]:

@@ -80,10 +80,6 @@ class PeerProcess:
     def event_for(self, kind: str, tid, timeout: float = 20) -> dict:
         return self.wait_event(lambda e: e["event"] == kind and e["tid"] == list(tid), timeout)
 
-    def has_event(self, kind: str, tid) -> bool:
-        with self._cond:
-            return any(e["event"] == kind and e["tid"] == list(tid) for e in self.events)
-
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

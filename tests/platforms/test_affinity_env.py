@@ -13,7 +13,6 @@ def test_each_chip_gets_the_efa_behind_its_pcie_switch(host, name):
     root, desc = host(name)
     platform, _ = select_platform("auto", root=root)
     assert platform.efa_affinity() == desc["expected_affinity"]
-    assert platform.nearest_efa(0) == desc["expected_affinity"]["neuron0"]
 
 
 def test_trn1_two_chips_share_one_efa(host):
@@ -40,11 +39,17 @@ def test_non_efa_rdma_devices_are_ignored(tmp_path):
     assert len(platform.efa_devices()) == 15
 
 
-def test_out_of_range_device_and_cpu_have_no_nearest_efa(host):
+def test_cpu_has_no_accelerators_to_pair(host):
     root, _ = host("trn2")
+    assert CpuPlatform(root).efa_affinity() == {}
+
+
+def test_doctor_shows_each_accelerators_nearest_efa(host):
+    from neuron_disagg.doctor import check_efa
+    root, desc = host("trn2")
     platform, _ = select_platform("auto", root=root)
-    assert platform.nearest_efa(99) is None
-    assert CpuPlatform(root).nearest_efa(0) is None
+    check = check_efa(platform)
+    assert check.status == "ok" and f"neuron0→{desc['expected_affinity']['neuron0']}" in check.message
 
 
 def test_trn_fabric_env(host):

@@ -60,7 +60,8 @@ def test_gpu_affinity_from_pci(tmp_path, fake_torch):
     fake_sysfs.build(tmp_path, {"neuron": [], "efa": desc["efa"], "dev_nodes": [], "gpus": gpus})
     platform = CudaPlatform(str(tmp_path))
     assert len(platform.accelerators()) == 8
-    assert platform.nearest_efa(0) == desc["expected_affinity"]["neuron0"]
+    first = platform.accelerators()[0].name
+    assert platform.efa_affinity()[first] == desc["expected_affinity"]["neuron0"]
 
 
 def test_neuron_fence_follows_the_route_the_kv_lives_on(host, monkeypatch):
