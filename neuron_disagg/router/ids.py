@@ -1,7 +1,7 @@
 """Request ids (the ``X-Request-Id`` a client sees) and transfer ids (what P and D share).
 
 The connector names a transfer ``f"{request}#{attempt}"`` (``TransferId.__str__`` in
-``protocol/messages.py``); these helpers build and read that string form for the router.
+``protocol/messages.py``); ``kv_params.parse_transfer_id`` reads it back.
 """
 
 from __future__ import annotations
@@ -42,11 +42,3 @@ def transfer_base(request_id: str, from_client: bool) -> str:
 
 def format_transfer_id(request: str, attempt: int) -> str:
     return str(TransferId(request, attempt))
-
-
-def parse_transfer_id(value: str) -> TransferId:
-    """Reads ``"<request>#<attempt>"`` back; raises ValueError naming the expected form."""
-    request, sep, attempt = value.rpartition("#")
-    if not sep or not request or not attempt.isdigit():
-        raise ValueError(f"transfer id {value!r} is not of the form '<request>#<attempt>'")
-    return TransferId(request, int(attempt))

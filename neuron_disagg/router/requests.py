@@ -1,8 +1,9 @@
 """What a client asked for, checked once, and the two leg bodies built from it.
 
 ``app.py`` calls ``parse_client_request`` on every /v1/completions and /v1/chat/completions body;
-``flows.py`` calls ``prefill_body`` and ``decode_body`` for each attempt. The
-``kv_transfer_params`` built here are the contract with the vLLM connector.
+``flows.py`` calls ``prefill_body`` and ``decode_body`` for each attempt. Our modes'
+``kv_transfer_params`` come from ``kv_params``, the contract the connector reads; vLLM's own
+connectors' (``vllm-push``, ``vllm-pull``) are written here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .. import kv_params
 from .errors import BadRequest
 from .settings import MODES, Mode
 
@@ -135,8 +137,7 @@ def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str) -> dict[str, 
     if mode.startswith("vllm-"):  # vLLM's connectors match P and D by the X-Request-Id header
         body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
     else:
-        body["kv_transfer_params"] = {"neuron_disagg": 1, "role": "prefill", "mode": mode,
-                                      "transfer_id": transfer_id}
+        body["kv_transfer_params"] = kv_params.prefill(mode, transfer_id)
     return body
 
 
@@ -159,8 +160,7 @@ def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: 
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p_engine_id,
                 "remote_request_id": vllm_request_id(path, transfer_id),
                 "remote_host": host.strip("[]"), "remote_port": int(port), "tp_size": p_tp}
-    return {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": transfer_id,
-            "p_side_channel": p_side_channel, "p_tp_size": p_tp}
+    return kv_params.push_decode(transfer_id, p_side_channel, p_tp)
 
 
 def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,5 +168,4 @@ def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, An
     connector; ours carries every leg's offer (one per prompt; D takes each prompt's own)."""
     if mode == "vllm-pull":
         return dict(p_params[0])
-    offers = [params["offer"] for params in p_params]
-    return {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": transfer_id, "offers": offers}
+    return kv_params.pull_decode(transfer_id, p_params)

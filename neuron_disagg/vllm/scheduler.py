@@ -28,7 +28,7 @@ from ..protocol.wire import WireCodec
 from ..timeline import OFF, Timeline
 
 from . import compat
-from . import params as leg_params
+from .. import kv_params as leg_params
 from .metadata import Registration, StepMetadata
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class SchedulerSide:
                 if self.offers is not None:
                     offer, frame = self.offers.offer(tid, tuple(block_ids))
                     self._step.lend.append((tid, request.request_id, offer))
-                    self.offered[tid] = {"neuron_disagg": 1, "offer": base64.b64encode(frame).decode()}
+                    self.offered[tid] = leg_params.prefill_answer(base64.b64encode(frame).decode())
                     return True, self.offered[tid]
                 log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
             self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))

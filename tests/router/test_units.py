@@ -9,7 +9,8 @@ from neuron_disagg.config import ConfigError
 from neuron_disagg.protocol.messages import TransferId
 from neuron_disagg.router import cli
 from neuron_disagg.router.health import parse_engine_load
-from neuron_disagg.router.ids import format_transfer_id, parse_transfer_id
+from neuron_disagg.kv_params import parse_transfer_id
+from neuron_disagg.router.ids import format_transfer_id
 from neuron_disagg.router.instances import EngineLoad, InstanceSpecError, make_instance, parse_instance_spec
 from neuron_disagg.router.requests import parse_client_request
 from neuron_disagg.router.selection import pick_decode, pick_prefill
@@ -29,7 +30,7 @@ def test_instance_specs():
             parse_instance_spec("prefill", bad, 5600)
 
 
-def test_transfer_ids_round_trip():
+def test_transfer_ids_round_trip_from_the_router_to_the_connector():
     assert format_transfer_id("req.1", 2) == "req.1#2"
     assert parse_transfer_id("a#b#3") == TransferId("a#b", 3)
     for bad in ("abc", "#1", "abc#", "abc#x"):

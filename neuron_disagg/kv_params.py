@@ -1,4 +1,5 @@
-"""The request's ``kv_transfer_params`` as the router writes them, parsed and checked once.
+"""The ``kv_transfer_params`` contract: the router writes them with the builders below, the
+connector's scheduler side reads them with ``parse``; nothing else writes or reads them.
 
 Push, prefill leg:  {"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": "req#0"}
 Push, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": "req#0",
@@ -14,11 +15,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..protocol.messages import TransferId
+from .protocol.messages import TransferId
+
+KEY = "neuron_disagg"  # present, with the contract's version, in every set of params that is ours
+VERSION = 1
 
 
 class BadTransferParams(ValueError):
     pass
+
+
+# -- the router writes ------------------------------------------------------------------------------
+def prefill(mode: Literal["push", "pull"], transfer_id: str) -> dict[str, Any]:
+    return {KEY: VERSION, "role": "prefill", "mode": mode, "transfer_id": transfer_id}
+
+
+def push_decode(transfer_id: str, p_side_channel: str, p_tp_size: int) -> dict[str, Any]:
+    return {KEY: VERSION, "role": "decode", "mode": "push", "transfer_id": transfer_id,
+            "p_side_channel": p_side_channel, "p_tp_size": p_tp_size}
+
+
+def pull_decode(transfer_id: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``answers``: what each of P's legs answered (``prefill_answer``; one per distinct prompt)."""
+    offers = [answer["offer"] for answer in answers]
+    return {KEY: VERSION, "role": "decode", "mode": "pull", "transfer_id": transfer_id, "offers": offers}
+
+
+# -- the connector writes, on P in pull mode, into its response ---------------------------------------
+def prefill_answer(offer_frame_b64: str) -> dict[str, Any]:
+    return {KEY: VERSION, "offer": offer_frame_b64}
+
+
+# -- the connector reads ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -40,7 +68,7 @@ def parse_transfer_id(text: str) -> TransferId:
 
 def parse(params: dict[str, Any] | None) -> LegParams | None:
     """None when the request is not ours (no "neuron_disagg" key): it runs as a plain request."""
-    if not params or "neuron_disagg" not in params:
+    if not params or KEY not in params:
         return None
     role, mode = params.get("role"), params.get("mode", "push")
     if role not in ("prefill", "decode") or mode not in ("push", "pull"):
