@@ -10,6 +10,7 @@ counted by reason and never reach a core.
 from __future__ import annotations
 
 import logging
+import resource
 import selectors
 import socket
 import struct
@@ -81,6 +82,10 @@ class SideChannelServer:
         self.codec = codec
         self.on_message = on_message
         self.rejected: Counter[str] = Counter()
+        # Half the process's descriptors at most: the engine, NIXL and vLLM's own sockets need the rest.
+        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft_limit != resource.RLIM_INFINITY:
+            max_connections = min(max_connections, max(8, soft_limit // 2))
         self.max_connections, self.max_unverified, self.first_frame_s = max_connections, max_unverified, first_frame_s
         # A first frame is a registration, a heartbeat or a handshake: far below this. It bounds
         # what unverified connections can make us buffer to max_unverified MiB.
@@ -99,6 +104,7 @@ class SideChannelServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._conns: dict[socket.socket, _Connection] = {}
         self._unverified: dict[socket.socket, _Connection] = {}  # insertion order: oldest first
+        self._accept_paused_until: float | None = None  # out of descriptors: retry accepting then
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"neuron-disagg-{name}", daemon=True)
 
@@ -113,12 +119,17 @@ class SideChannelServer:
     def _run(self) -> None:
         try:
             while not self._closing:
-                for key, events in self._selector.select(timeout=min(1.0, self.first_frame_s / 4)):
+                timeout = min(1.0, self.first_frame_s / 4, 0.2 if self._accept_paused_until else 1.0)
+                for key, events in self._selector.select(timeout=timeout):
                     if key.fileobj is self._sock:
                         self._accept()
                     elif key.fileobj is not self._wake_r and key.fileobj in self._conns:
                         self._serve(self._conns[key.fileobj], events)
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                    self._accept_paused_until = None
+                    self._selector.register(self._sock, selectors.EVENT_READ)
         finally:
             for conn in list(self._conns.values()):
                 self._close(conn)
@@ -141,23 +152,29 @@ class SideChannelServer:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors: refuse until some close
+            except OSError:  # out of descriptors: stop listening a moment, or the loop would spin
                 self.rejected["accept_failed"] += 1
+                self._selector.unregister(self._sock)
+                self._accept_paused_until = time.monotonic() + 0.2
                 return
-            if len(self._conns) >= self.max_connections:
+            while self._unverified and (len(self._unverified) >= self.max_unverified
+                                        or len(self._conns) >= self.max_connections):
+                self._evict_oldest_unverified()
+            if len(self._conns) >= self.max_connections:  # every slot held by a verified peer
                 self.rejected["connection_limit"] += 1
                 sock.close()
                 continue
-            while len(self._unverified) >= self.max_unverified:
-                oldest = next(iter(self._unverified.values()))
-                self._read(oldest)  # a peer's frame already waiting in the kernel verifies it
-                if oldest.sock in self._unverified:
-                    self.rejected["unverified_limit"] += 1
-                    self._close(oldest)
             sock.setblocking(False)
             conn = _Connection(sock, time.monotonic() + self.first_frame_s)
             self._conns[sock] = self._unverified[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ)
+
+    def _evict_oldest_unverified(self) -> None:
+        oldest = next(iter(self._unverified.values()))
+        self._read(oldest)  # a peer's frame already waiting in the kernel verifies it
+        if oldest.sock in self._unverified:
+            self.rejected["unverified_limit"] += 1
+            self._close(oldest)
 
     def _read(self, conn: _Connection) -> None:
         try:

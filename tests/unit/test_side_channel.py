@@ -118,14 +118,19 @@ def test_a_flood_of_unverified_connections_holds_no_threads_and_evicts_the_oldes
         sock.close()
 
 
-def test_connections_beyond_the_limit_are_refused(server):
-    srv = server(max_connections=3)
-    held = [connect(srv) for _ in range(3)]
+def test_a_new_connection_takes_an_unverified_ones_place_and_is_refused_only_when_peers_fill_every_slot(server):
+    srv = server(max_connections=3, max_unverified=3)
+    stalled = [connect(srv) for _ in range(3)]
     wait(lambda: srv.connections == 3)
+    peers = [socket.create_connection(rank_address(srv.address, 0), timeout=5) for _ in range(3)]
+    for sock in peers:  # each evicts the oldest stalled one, then verifies itself
+        write_frame(sock, WireCodec(SECRET).encode(HEARTBEAT))
+    wait(lambda: len(srv.got) == 3)
+    assert all(closed_by_server(sock) for sock in stalled) and srv.rejected["unverified_limit"] == 3
     extra = connect(srv)
     assert closed_by_server(extra)
     assert srv.rejected["connection_limit"] == 1
-    for sock in held:
+    for sock in peers:
         sock.close()
 
 
@@ -148,3 +153,49 @@ def test_an_error_in_the_handler_closes_that_connection_only(server):
     wait(lambda: len(calls) == 2)
     first.close()
     second.close()
+
+
+OUT_OF_DESCRIPTORS = r"""
+import os, resource, socket, sys, time
+from neuron_disagg.protocol import WireCodec
+from neuron_disagg.transfer.side_channel import SideChannelServer
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+srv = SideChannelServer("127.0.0.1", 0, WireCodec(b"0123456789abcdef0123456789abcdef"), lambda m: None).start()
+hog = []
+try:
+    while True:
+        hog.append(os.open(os.devnull, os.O_RDONLY))  # every descriptor left: accept() must fail
+except OSError:
+    pass
+print(srv.address, srv.max_connections, flush=True)
+sys.stdin.readline()  # the test has connected
+start = time.process_time()
+time.sleep(2.0)
+print(time.process_time() - start, srv.rejected["accept_failed"], flush=True)
+for fd in hog[:8]:
+    os.close(fd)
+time.sleep(0.5)
+print(srv.connections, flush=True)
+"""
+
+
+def test_out_of_descriptors_the_server_neither_spins_nor_stops_accepting():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        address, cap = proc.stdout.readline().split()
+        assert int(cap) == 32  # half the 64 descriptors it may hold
+        pending = [socket.create_connection(rank_address(address, 0), timeout=5) for _ in range(3)]
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        cpu_s, failed = proc.stdout.readline().split()
+        assert int(failed) >= 1 and float(cpu_s) < 0.5, (cpu_s, failed)  # paused, not spinning on accept()
+        assert int(proc.stdout.readline()) == 3  # descriptors back: the waiting connections are served
+        for sock in pending:
+            sock.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
