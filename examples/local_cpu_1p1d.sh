@@ -33,8 +33,8 @@ command -v curl > /dev/null || fail "curl is needed to check health and send the
 [[ $(nproc) -ge 2 ]] || fail "P and D each need a core of their own; this machine has $(nproc)"
 export PATH="$venv/bin:$PATH"
 
-# 2. The deployment secret: P and D sign and check every registration with it. Generated for this
-#    run unless you export one; it is never written to the configs.
+# 2. The deployment secret: P and D sign and check every registration with it, and the router signs the
+#    kv_transfer_params it sends them. Generated for this run unless you export one; never in the configs.
 if [[ -z "${NEURON_DISAGG_SECRET:-}" ]]; then
   NEURON_DISAGG_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
   echo "using a secret generated for this run"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .protocol.consumer import ConsumerTimeouts
 from .protocol.producer import ProducerTimeouts
 from .protocol.wire import MIN_SECRET_BYTES
+
+if TYPE_CHECKING:
+    from .kv_params import ParamsSigner
 
 
 class ConfigError(ValueError):
@@ -45,6 +48,9 @@ class Config(BaseModel):
     secret_env: str = Field("NEURON_DISAGG_SECRET", min_length=1,
                             description="environment variable holding the deployment secret")
     secret_file: Path | None = Field(None, description="file holding the secret (used if set)")
+    params_ttl_s: float = Field(600.0, gt=0, le=86400,
+                                description="the router's signed kv_transfer_params are honoured this "
+                                "long; a request queued longer runs as a plain request")
     side_channel_host: str = Field("127.0.0.1", min_length=1)
     side_channel_port: int = Field(5600, ge=1024, le=65535)
     backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
@@ -116,6 +122,12 @@ class Config(BaseModel):
                 "prefill and decode instance; create one with `openssl rand -hex 32`"
             )
         return secret
+
+    def params_signer(self) -> "ParamsSigner":
+        """Signs (router) and verifies (connector) kv_transfer_params under the deployment secret."""
+        from .kv_params import ParamsSigner
+
+        return ParamsSigner(self.load_secret(), self.params_ttl_s, self.clock_skew_allowance_s)
 
     @property
     def side_channel(self) -> str:

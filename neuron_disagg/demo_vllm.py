@@ -87,7 +87,7 @@ def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: d
     config = {**CONFIG, "timeline_dir": marks}
     p = disaggregated("prefill", model, free_port(), p_side, "0", secret, config)
     d = disaggregated("decode", model, free_port(), free_port(), "1", secret, config, env=decode_env)
-    r = router([(p.url, p_side)], [d.url], free_port(), timeline_dir=marks)
+    r = router([(p.url, p_side)], [d.url], free_port(), timeline_dir=marks, secret=secret)
     started = []
     ok = True
     try:

@@ -8,37 +8,95 @@ Pull, prefill leg:  as push with "mode": "pull"; its response carries {"neuron_d
 Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": ..., "offer": ...}
                     or, for a list of prompts, "offers": [...], one per distinct prompt (each names
                     its prompt's transfer; the connector takes the one for its own)
+
+Every set the router writes is signed (``ParamsSigner``): it also carries "expires_ms" and
+"signature", an HMAC-SHA256 under the deployment secret of all its other fields. vLLM's HTTP port
+takes ``kv_transfer_params`` from whoever reaches it, so the connector acts only on verified ones;
+anything else — unsigned, altered, signed with another secret, expired — runs as a plain request,
+computed where it arrived, and is counted (``neuron_disagg_params_rejected_total``). A forged
+``p_side_channel`` is therefore never contacted, and a client gains nothing it could not get by
+sending the request without them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .protocol.messages import TransferId
+from .protocol.wire import MIN_SECRET_BYTES
 
 KEY = "neuron_disagg"  # present, with the contract's version, in every set of params that is ours
 VERSION = 1
+
+
+DEFAULT_TTL_S = 600.0
+_DOMAIN = b"neuron-disagg kv_transfer_params v1\0"  # a params signature is never a wire message's
 
 
 class BadTransferParams(ValueError):
     pass
 
 
+class ParamsSigner:
+    """Signs (router) and verifies (connector) ``kv_transfer_params`` under the deployment secret.
+
+    ``ttl_s`` bounds how long signed params may be replayed; it should exceed the longest a request
+    waits in P's or D's queue (one that waits longer runs as a plain request). ``skew_s``: how far
+    the router's clock may run ahead of the instance's."""
+
+    def __init__(self, secret: bytes, ttl_s: float = DEFAULT_TTL_S, skew_s: float = 1.0):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the deployment secret must be at least {MIN_SECRET_BYTES} bytes")
+        self._secret, self.ttl_s, self.skew_s = secret, ttl_s, skew_s
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"ParamsSigner(ttl_s={self.ttl_s})"
+
+    def _mac(self, fields: dict[str, Any]) -> str:
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hmac.new(self._secret, _DOMAIN + canonical.encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, params: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+        fields = {**params, "expires_ms": int(((time.time() if now is None else now) + self.ttl_s) * 1000)}
+        return {**fields, "signature": self._mac(fields)}
+
+    def verify(self, params: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+        """The params without their signature fields; raises BadTransferParams saying why not."""
+        fields = {k: v for k, v in params.items() if k != "signature"}
+        signature, expires_ms = params.get("signature"), fields.get("expires_ms")
+        if not isinstance(signature, str) or not isinstance(expires_ms, int):
+            raise BadTransferParams("kv_transfer_params are not signed (only the router may set them)")
+        if not hmac.compare_digest(signature.encode("utf-8", "replace"), self._mac(fields).encode()):
+            raise BadTransferParams("kv_transfer_params signature does not match: altered, or not signed "
+                                    "with this deployment's secret")
+        now = time.time() if now is None else now
+        if now - self.skew_s > expires_ms / 1000:
+            raise BadTransferParams(f"kv_transfer_params expired {now - expires_ms / 1000:.1f} s ago "
+                                    f"(signed for {self.ttl_s:g} s)")
+        del fields["expires_ms"]
+        return fields
+
+
 # -- the router writes ------------------------------------------------------------------------------
-def prefill(mode: Literal["push", "pull"], transfer_id: str) -> dict[str, Any]:
-    return {KEY: VERSION, "role": "prefill", "mode": mode, "transfer_id": transfer_id}
+def prefill(signer: ParamsSigner, mode: Literal["push", "pull"], transfer_id: str) -> dict[str, Any]:
+    return signer.sign({KEY: VERSION, "role": "prefill", "mode": mode, "transfer_id": transfer_id})
 
 
-def push_decode(transfer_id: str, p_side_channel: str, p_tp_size: int) -> dict[str, Any]:
-    return {KEY: VERSION, "role": "decode", "mode": "push", "transfer_id": transfer_id,
-            "p_side_channel": p_side_channel, "p_tp_size": p_tp_size}
+def push_decode(signer: ParamsSigner, transfer_id: str, p_side_channel: str, p_tp_size: int) -> dict[str, Any]:
+    return signer.sign({KEY: VERSION, "role": "decode", "mode": "push", "transfer_id": transfer_id,
+                        "p_side_channel": p_side_channel, "p_tp_size": p_tp_size})
 
 
-def pull_decode(transfer_id: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
+def pull_decode(signer: ParamsSigner, transfer_id: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
     """``answers``: what each of P's legs answered (``prefill_answer``; one per distinct prompt)."""
     offers = [answer["offer"] for answer in answers]
-    return {KEY: VERSION, "role": "decode", "mode": "pull", "transfer_id": transfer_id, "offers": offers}
+    return signer.sign({KEY: VERSION, "role": "decode", "mode": "pull", "transfer_id": transfer_id,
+                        "offers": offers})
 
 
 # -- the connector writes, on P in pull mode, into its response ---------------------------------------
@@ -47,7 +105,6 @@ def prefill_answer(offer_frame_b64: str) -> dict[str, Any]:
 
 
 # -- the connector reads ----------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class LegParams:
@@ -66,10 +123,12 @@ def parse_transfer_id(text: str) -> TransferId:
     return TransferId(request, int(attempt))
 
 
-def parse(params: dict[str, Any] | None) -> LegParams | None:
-    """None when the request is not ours (no "neuron_disagg" key): it runs as a plain request."""
+def parse(params: dict[str, Any] | None, signer: ParamsSigner, now: float | None = None) -> LegParams | None:
+    """None when the request is not ours (no "neuron_disagg" key): it runs as a plain request.
+    Raises BadTransferParams for ours that are unsigned, forged, expired or malformed."""
     if not params or KEY not in params:
         return None
+    params = signer.verify(params, now)
     role, mode = params.get("role"), params.get("mode", "push")
     if role not in ("prefill", "decode") or mode not in ("push", "pull"):
         raise BadTransferParams(f"kv_transfer_params role={role!r} mode={mode!r} is not supported")

@@ -200,9 +200,11 @@ def free_port() -> int:
 
 
 def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push",
-           engine_ids: list[str] | None = None, timeline_dir: str | None = None) -> Instance:
+           engine_ids: list[str] | None = None, timeline_dir: str | None = None,
+           secret: str | None = None) -> Instance:
     """The push-aware router over (P url, P side-channel port) pairs and D urls; ``engine_ids``
-    (one per P) for the vllm-push mode."""
+    (one per P) for the vllm-push mode; ``secret``: the deployment secret P and D hold (it signs
+    kv_transfer_params; modes push and pull need it)."""
     command = [sys.executable, "-m", "neuron_disagg.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                "--mode", mode, *(["--timeline-dir", timeline_dir] if timeline_dir else [])]
     for i, (url, side_port) in enumerate(prefill):
@@ -210,4 +212,5 @@ def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: s
         command += ["--prefill", spec + (f",engine_id={engine_ids[i]}" if engine_ids else "")]
     for url in decode:
         command += ["--decode", url]
-    return Instance("router", command, port, cpu="0")
+    env = {Config().secret_env: secret} if secret else {}
+    return Instance("router", command, port, cpu="0", env=env)

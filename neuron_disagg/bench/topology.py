@@ -105,5 +105,6 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
     overrides = {"timeline_dir": marks}
     p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
     d = disaggregated("decode", server.model, free_port(), d_side, "1", secret, overrides, **kw)
-    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m, timeline_dir=marks) for m in group}
+    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m, timeline_dir=marks, secret=secret)
+               for m in group}
     return Running({m: r.url for m, r in routers.items()}, [p, d, *routers.values()], p, d, marks)

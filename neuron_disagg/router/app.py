@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..kv_params import ParamsSigner
 from .errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized, UpstreamRejected, error_body
 from .flows import Flows, RequestContext, RequestLog, logger
 from .health import HealthMonitor
@@ -37,6 +38,7 @@ class RouterState:
     pool: InstancePool
     metrics: RouterMetrics
     side_channel_port: int
+    signer: ParamsSigner | None = None  # signs our modes' kv_transfer_params
     session: aiohttp.ClientSession | None = None
     flows: Flows | None = None
     health: HealthMonitor | None = None
@@ -228,10 +230,10 @@ async def _remove_instance(request: web.Request) -> web.Response:
 
 
 def build_app(settings: RouterSettings, pool: InstancePool, metrics: RouterMetrics,
-              side_channel_port: int) -> web.Application:
+              side_channel_port: int, signer: ParamsSigner | None = None) -> web.Application:
     # client_max_size is a backstop; _read_body answers 413 with a clearer message first.
     app = web.Application(middlewares=[_request_context], client_max_size=settings.max_body_bytes)
-    app[STATE] = RouterState(settings, pool, metrics, side_channel_port)
+    app[STATE] = RouterState(settings, pool, metrics, side_channel_port, signer)
     app.on_response_prepare.append(_stamp_request_id)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _completions)

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from ..config import Config, ConfigError
+from ..kv_params import ParamsSigner
 from .instances import Instance, InstanceSpecError, parse_instance_spec
 from .server import start_router
 from .settings import MODES, RouterSettings
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, argparse.Namespace]:
+def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, ParamsSigner | None, argparse.Namespace]:
     """Everything ``main`` needs, validated; raises ConfigError or InstanceSpecError."""
     args = _parser().parse_args(argv)
     config = Config.from_yaml(args.config) if args.config else Config()
@@ -79,14 +80,26 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, argp
         if missing:
             raise InstanceSpecError(f"--mode vllm-push needs engine_id=ID on every --prefill (the engine_id "
                                     f"in that P's --kv-transfer-config); missing on {', '.join(missing)}")
-    return settings, instances, config, args
+    return settings, instances, config, _signer(config, settings.mode), args
+
+
+def _signer(config: Config, mode: str) -> ParamsSigner | None:
+    """Our connector acts only on kv_transfer_params signed with the deployment secret: modes push
+    and pull need it (a missing secret fails here, at startup); a router for vLLM's own connectors
+    signs when it can, for requests that ask for our modes."""
+    try:
+        return config.params_signer()
+    except ConfigError as exc:
+        if mode.startswith("vllm-"):
+            return None
+        raise ConfigError(f"mode {mode} signs kv_transfer_params with the deployment secret: {exc}") from None
 
 
 async def _serve(settings: RouterSettings, instances: list[Instance], config: Config,
-                 host: str, port: int) -> None:
+                 signer: ParamsSigner | None, host: str, port: int) -> None:
     log = logging.getLogger("neuron_disagg.router")
     router = await start_router(settings, instances, host=host, port=port,
-                                side_channel_port=config.side_channel_port)
+                                side_channel_port=config.side_channel_port, signer=signer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -107,13 +120,13 @@ async def _serve(settings: RouterSettings, instances: list[Instance], config: Co
 
 def main(argv: list[str]) -> int:
     try:
-        settings, instances, config, args = build(argv)
+        settings, instances, config, signer, args = build(argv)
     except (ConfigError, InstanceSpecError) as exc:
         print(f"neuron-disagg router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(settings, instances, config, args.host, args.port))
+        asyncio.run(_serve(settings, instances, config, signer, args.host, args.port))
     except OSError as exc:  # e.g. the port is taken
         print(f"neuron-disagg router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

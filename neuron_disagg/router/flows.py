@@ -28,7 +28,8 @@ from .instances import Instance, InstancePool, Role
 from .legs import DecodeLeg, prefill_leg
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, pull_decode_params,
-                       push_decode_params)
+                       push_decode_params, require_signer)
+from ..kv_params import ParamsSigner
 from ..timeline import Timeline
 from .settings import PUSH_MODES, Mode, RouterSettings
 
@@ -64,8 +65,9 @@ async def _cancel(*tasks: asyncio.Task) -> None:
 
 class Flows:
     def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, settings: RouterSettings,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, signer: ParamsSigner | None):
         self.pool, self.session, self.settings, self.metrics = pool, session, settings, metrics
+        self.signer = signer  # signs our modes' kv_transfer_params; None: vLLM's connectors only
         self.timeline = Timeline(settings.timeline_dir, "router")
         self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
                                                 sock_connect=settings.connect_timeout_s)
@@ -77,6 +79,8 @@ class Flows:
         p_task: asyncio.Task | None = None
         d_leg: DecodeLeg | None = None
         try:
+            if not req.mode.startswith("vllm-"):
+                require_signer(self.signer)  # before any leg starts
             if req.mode in PUSH_MODES:
                 d_leg, p_task = await self._push(req, ctx)
             else:
@@ -123,7 +127,7 @@ class Flows:
             ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
             p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode))
             d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
-                req.mode, tid, p.side_channel, p.tp, p.engine_id, req.path))
+                req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path))
             d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
             committed = False
             try:
@@ -159,7 +163,7 @@ class Flows:
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
             try:  # one leg, or one per distinct prompt of a list: D needs each prompt's offer
                 answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, body)
-                                                 for body in prefill_bodies(req, req.mode, tid)))
+                                                 for body in prefill_bodies(req, req.mode, tid, self.signer)))
                 break
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
@@ -178,7 +182,7 @@ class Flows:
                 f"{[type(params).__name__ for params in p_params]}); is it running the neuron_disagg connector?",
                 code="prefill_no_kv_transfer_params", instance=p)
         d = self._pick("decode")  # late decode choice: the point of pull
-        d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params))
+        d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params, self.signer))
         try:
             await self._open_decode(d_leg, req, ctx, tid)
         except BaseException:
@@ -209,7 +213,7 @@ class Flows:
                        mode: Mode, body: dict[str, Any] | None = None) -> dict[str, Any]:
         with self.pool.lease(p, req.prompt_tokens):
             try:
-                return await prefill_leg(self.session, p, req.path, body or prefill_body(req, mode, tid),
+                return await prefill_leg(self.session, p, req.path, body or prefill_body(req, mode, tid, self.signer),
                                          {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
             except RouterError as exc:
                 self._failed(ctx, tid, exc)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import kv_params
-from .errors import BadRequest
+from ..kv_params import ParamsSigner
+from .errors import BadRequest, RouterError
 from .settings import MODES, Mode
 
 # P's answer is discarded, so P generates one token and does not stream; options that only make
@@ -84,11 +85,12 @@ def distinct_prompts(body: dict[str, Any]) -> list[Any] | None:
     return unique if len(unique) > 1 or len(prompt) > 1 else None
 
 
-def prefill_bodies(req: ClientRequest, mode: Mode, transfer_id: str) -> list[dict[str, Any]]:
+def prefill_bodies(req: ClientRequest, mode: Mode, transfer_id: str,
+                   signer: ParamsSigner | None) -> list[dict[str, Any]]:
     """P's legs: one body, or in pull mode one per distinct prompt of a list (P answers a request
     with one set of kv_transfer_params, the first prompt's, and D needs every prompt's offer)."""
     prompts = distinct_prompts(req.body) if mode == "pull" else None
-    body = prefill_body(req, mode, transfer_id)
+    body = prefill_body(req, mode, transfer_id, signer)
     return [body] if prompts is None else [{**body, "prompt": p} for p in prompts]
 
 
@@ -129,7 +131,17 @@ def _chat_tokens(messages: list[Any]) -> int:
     return total
 
 
-def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str) -> dict[str, Any]:
+def require_signer(signer: ParamsSigner | None) -> ParamsSigner:
+    """Our connector acts only on signed params: the router needs the deployment secret."""
+    if signer is None:
+        raise RouterError("this router was started without the deployment secret, which modes push and "
+                          "pull need to sign kv_transfer_params: give it the instances' config (--config) "
+                          "and secret (its secret_file, or the NEURON_DISAGG_SECRET environment variable)",
+                          code="router_without_secret", status=503)
+    return signer
+
+
+def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str, signer: ParamsSigner | None) -> dict[str, Any]:
     body = {k: v for k, v in req.body.items() if k not in _PREFILL_DROPS}
     body.update(max_tokens=1, stream=False)
     if "max_completion_tokens" in body:  # vLLM prefers it over max_tokens for chat
@@ -137,7 +149,7 @@ def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str) -> dict[str, 
     if mode.startswith("vllm-"):  # vLLM's connectors match P and D by the X-Request-Id header
         body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
     else:
-        body["kv_transfer_params"] = kv_params.prefill(mode, transfer_id)
+        body["kv_transfer_params"] = kv_params.prefill(require_signer(signer), mode, transfer_id)
     return body
 
 
@@ -153,19 +165,20 @@ def vllm_request_id(path: str, x_request_id: str) -> str:
     return f"chatcmpl-{x_request_id}" if path.endswith("/chat/completions") else f"cmpl-{x_request_id}-0"
 
 
-def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: int,
+def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: int, signer: ParamsSigner | None,
                        p_engine_id: str | None = None, path: str = "/v1/completions") -> dict[str, Any]:
     if mode == "vllm-push":  # vLLM's D crashes its engine without remote_request_id
         host, _, port = p_side_channel.rpartition(":")
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p_engine_id,
                 "remote_request_id": vllm_request_id(path, transfer_id),
                 "remote_host": host.strip("[]"), "remote_port": int(port), "tp_size": p_tp}
-    return kv_params.push_decode(transfer_id, p_side_channel, p_tp)
+    return kv_params.push_decode(require_signer(signer), transfer_id, p_side_channel, p_tp)
 
 
-def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, Any]]) -> dict[str, Any]:
+def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, Any]],
+                       signer: ParamsSigner | None) -> dict[str, Any]:
     """What P's legs returned as ``kv_transfer_params`` (one per leg): verbatim for vLLM's own
     connector; ours carries every leg's offer (one per prompt; D takes each prompt's own)."""
     if mode == "vllm-pull":
         return dict(p_params[0])
-    return kv_params.pull_decode(transfer_id, p_params)
+    return kv_params.pull_decode(require_signer(signer), transfer_id, p_params)

@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from ..kv_params import ParamsSigner
 from .app import STATE, build_app
 from .flows import Flows
 from .health import HealthMonitor
@@ -49,7 +50,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
         total=None, sock_connect=s.connect_timeout_s))
     state.session = session
-    state.flows = Flows(state.pool, session, s, state.metrics)
+    state.flows = Flows(state.pool, session, s, state.metrics, state.signer)
     state.health = HealthMonitor(state.pool, session, s)
     await state.health.check_all()  # eject what is down before the first request
     health_task = asyncio.create_task(state.health.run(), name="router-health")
@@ -66,14 +67,15 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
 async def start_router(settings: RouterSettings, instances: Iterable[Instance] = (), *,
                        host: str = "127.0.0.1", port: int = 0, side_channel_port: int = 5600,
                        registry: CollectorRegistry | None = None,
-                       shutdown_timeout_s: float = 10.0) -> RunningRouter:
+                       shutdown_timeout_s: float = 10.0, signer: ParamsSigner | None = None) -> RunningRouter:
     """Serves on ``host:port`` (0: any free port) until ``close()``; open streams get up to
-    ``shutdown_timeout_s`` to finish on close."""
+    ``shutdown_timeout_s`` to finish on close. ``signer`` signs the kv_transfer_params of modes push
+    and pull (without one only vllm-push and vllm-pull work)."""
     metrics = RouterMetrics(registry)
     pool = InstancePool(on_change=metrics.instance_changed, on_remove=metrics.instance_removed)
     for inst in instances:
         pool.add(inst)
-    app = build_app(settings, pool, metrics, side_channel_port)
+    app = build_app(settings, pool, metrics, side_channel_port, signer)
     app.cleanup_ctx.append(_upstream)
     # handler_cancellation: a client that disconnects cancels its handler, which closes both legs.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

@@ -46,8 +46,9 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         self.worker_side: WorkerSide | None = None
         self._engine_id = transfer.engine_id
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size, timeline=Timeline(
-                self.config.timeline_dir, f"{_ROLES[transfer.kv_role]}-scheduler"))
+            timeline = Timeline(self.config.timeline_dir, f"{_ROLES[transfer.kv_role]}-scheduler")
+            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size, self.config.params_signer(),
+                                                timeline=timeline)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -156,12 +157,13 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
         """Worker, each step: counters since the last call, for vLLM's stats and /metrics.
-        Scheduler, each step: the blocks it holds for transfers, when that changed."""
+        Scheduler, each step: the blocks it holds for transfers when that changed, and requests
+        whose kv_transfer_params it rejected."""
         if self.worker_side is not None:
             data = self.worker_side.stats()
             return ConnectorStats(data) if data else None
-        held = self.scheduler_side.held_blocks()
-        return None if held is None else ConnectorStats({**empty(), "held_blocks": held})
+        data = self.scheduler_side.stats()
+        return None if data is None else ConnectorStats({**empty(), **data})
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

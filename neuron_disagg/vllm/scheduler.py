@@ -83,14 +83,16 @@ HOLDING = frozenset({LegState.LOADING, LegState.ABORTING, LegState.HANDED_OFF})
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, offers: "OfferMaker | None" = None, timeline: Timeline = OFF):
+    def __init__(self, block_size: int, signer: leg_params.ParamsSigner, offers: "OfferMaker | None" = None,
+                 timeline: Timeline = OFF):
         self.block_size = block_size
+        self.signer = signer  # only the router's signed kv_transfer_params are acted on
         self.timeline = timeline
         self.offers = offers  # pull mode on P: None until the workers' handshake arrived
         self.legs: dict[str, Leg] = {}
         self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
-        self.rejected = 0  # requests whose kv_transfer_params we could not honour
+        self.rejected = 0  # requests whose kv_transfer_params we could not honour (not yet reported)
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
 
@@ -98,7 +100,7 @@ class SchedulerSide:
         leg = self.legs.get(request.request_id)
         if leg is None:
             try:
-                parsed = leg_params.parse(getattr(request, "kv_transfer_params", None))
+                parsed = leg_params.parse(getattr(request, "kv_transfer_params", None), self.signer)
             except leg_params.BadTransferParams as exc:  # never raise on the engine loop
                 self.rejected += 1
                 log.warning("request %s runs without disaggregation: %s", request.request_id, exc)
@@ -244,10 +246,14 @@ class SchedulerSide:
         """Keep the engine stepping while a P request's blocks wait for the writer."""
         return any(leg.state is LegState.HANDED_OFF for leg in self.legs.values())
 
-    def held_blocks(self) -> int | None:
-        """Blocks held for transfers now (P: handed to the writer; D: registered or fenced), when
-        that may have changed since the last call (so idle steps cost nothing); else None."""
-        if not self._held_changed:
-            return None
-        self._held_changed = False
-        return sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
+    def stats(self) -> dict[str, Any] | None:
+        """Since the last call: the blocks held for transfers now (P: handed to the writer; D:
+        registered or fenced) if that may have changed, and requests whose params were rejected;
+        None when neither (so idle steps cost nothing)."""
+        out: dict[str, Any] = {}
+        if self._held_changed:
+            self._held_changed = False
+            out["held_blocks"] = sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
+        if self.rejected:
+            out["counts"], self.rejected = {"params_rejected": self.rejected}, 0
+        return out or None

@@ -4,8 +4,8 @@ server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
 
 The payload is a plain dict (vLLM sends it between processes):
 ``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...]}``, and
-from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed: a
-gauge, so a leak shows on /metrics as a value that does not come back to 0.
+from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed (a
+gauge, so a leak shows on /metrics as a value that does not come back to 0) and its own counts.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ COUNTS = {
     "descriptors": "transfer descriptors posted, after merging",
     "registrations_rejected": "registrations refused before any write (bad geometry, memory)",
     "messages_rejected": "wire messages refused (signature, version, size, schema)",
+    "params_rejected": "requests whose kv_transfer_params were unsigned, forged, expired or malformed "
+                       "(served as plain requests)",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
 }

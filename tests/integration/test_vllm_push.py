@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import tempfile
 import time
 
@@ -17,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg import timeline  # noqa: E402
+from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.local_cluster import free_port  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
@@ -158,6 +160,40 @@ def test_prefill_killed_after_the_registration_reached_it_is_recomputed_within_t
     blocks_back(cluster)
 
 
+def test_forged_params_sent_straight_to_decode_are_served_plainly_and_never_contacted(cluster):
+    """vLLM's HTTP port takes kv_transfer_params from anyone who reaches it. Unsigned, signed with
+    another secret, or signed with the side channel changed afterwards: D computes the prompt itself
+    (monolithic's answer), counts each, and never connects to the side channel they name."""
+    forged_side = socket.socket()
+    forged_side.bind(("127.0.0.1", free_port()))
+    forged_side.listen(16)
+    forged_side.setblocking(False)
+    side = f"127.0.0.1:{forged_side.getsockname()[1]}"
+    text = prompt(40, 77)
+
+    def params(n: int) -> dict:
+        return {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": f"forged-{n}-{next_id()}#0",
+                "p_side_channel": side, "p_tp_size": 1}
+
+    forgeries = [params(0), ParamsSigner(b"another-deployment-secret-00000000").sign(params(1)),
+                 {**cluster.signer.sign({**params(2), "p_side_channel": f"127.0.0.1:{cluster.p_side}"}),
+                  "p_side_channel": side}]
+    before = metric(cluster.d, "neuron_disagg_params_rejected_total")
+    try:
+        want = run(_reference(cluster, text, 8))
+        for forged in forgeries:
+            r = httpx.post(f"{cluster.d.url}/v1/completions", json=body(text, 8, kv_transfer_params=forged), timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        wait_for(lambda: metric(cluster.d, "neuron_disagg_params_rejected_total") == before + 3, 30,
+                 "D counting three rejected sets of params")
+        time.sleep(TIMEOUTS["heartbeat_interval_s"] * 2)  # a heartbeat would have connected by now
+        with pytest.raises(BlockingIOError):
+            forged_side.accept()
+    finally:
+        forged_side.close()
+
+
 def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
     p_body, _ = legs(cluster, prompt(120, 14), 1)
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
@@ -210,13 +246,13 @@ def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, ro
             direct = []
             for t in texts:
                 tid = f"pull-{next_id()}-{time.monotonic_ns()}#0"
-                p = await client.post(f"{cluster.p.url}/v1/completions", json=body(t, 1, kv_transfer_params={
-                    "neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid}))
+                p = await client.post(f"{cluster.p.url}/v1/completions", json=body(t, 1, kv_transfer_params=cluster.signer.sign({
+                    "neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid})))
                 assert p.status_code == 200, p.text
                 offer = p.json()["kv_transfer_params"]
                 assert "offer" in offer, p.json()
-                d = await client.post(f"{cluster.d.url}/v1/completions", json=body(t, 16, kv_transfer_params={
-                    "neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid, **offer}))
+                d = await client.post(f"{cluster.d.url}/v1/completions", json=body(t, 16, kv_transfer_params=cluster.signer.sign({
+                    "neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid, **offer})))
                 assert d.status_code == 200, d.text
                 direct.append(d.json()["choices"][0]["text"])
             routed_out = [

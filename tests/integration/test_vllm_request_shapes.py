@@ -146,7 +146,7 @@ def test_legs_that_disagree_end_within_the_bound_and_free_everything(cluster):
 
     def params(role: str, tid: str) -> dict:
         extra = {"p_side_channel": f"127.0.0.1:{cluster.p_side}", "p_tp_size": 1} if role == "decode" else {}
-        return {"neuron_disagg": 1, "role": role, "mode": "push", "transfer_id": tid, **extra}
+        return cluster.signer.sign({"neuron_disagg": 1, "role": role, "mode": "push", "transfer_id": tid, **extra})
 
     async def legs(p_prompts, d_prompts, tid):
         async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as client:

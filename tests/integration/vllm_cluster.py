@@ -13,7 +13,8 @@ import time
 
 import httpx
 
-from neuron_disagg import tiny_model
+from neuron_disagg import kv_params, tiny_model
+from neuron_disagg.kv_params import ParamsSigner
 from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router
 
 from ..vllm_envs import VllmEnv
@@ -40,6 +41,7 @@ class Cluster:
         self.p_side = free_port()
         self.mono = monolithic(model, free_port(), "0", python=env.python, max_model_len=MAX_MODEL_LEN)
         self.secret = secrets.token_hex(32)
+        self.signer = ParamsSigner(self.secret.encode())  # signs kv_transfer_params as the router does
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
         on = {"timeline_dir": self.timeline_dir}
         self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on})
@@ -72,7 +74,8 @@ def running(env: VllmEnv):
 @contextlib.contextmanager
 def routed(c: Cluster):
     """The router (./.venv's) in front of the cluster's P and D."""
-    instance = router([(c.p.url, c.p_side)], [c.d.url], free_port(), timeline_dir=c.timeline_dir).start()
+    instance = router([(c.p.url, c.p_side)], [c.d.url], free_port(), timeline_dir=c.timeline_dir,
+                      secret=c.secret).start()
     try:
         yield instance.wait_ready(60)
     finally:
@@ -89,10 +92,9 @@ def body(text: str, max_tokens: int = 16, **extra) -> dict:
 
 def legs(c: Cluster, text: str, max_tokens: int = 16, p_side: int | None = None):
     tid = f"it-{next_id()}-{time.monotonic_ns()}#0"
-    p = body(text, 1, kv_transfer_params={"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid})
-    d = body(text, max_tokens, kv_transfer_params={
-        "neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": tid,
-        "p_side_channel": f"127.0.0.1:{p_side or c.p_side}", "p_tp_size": 1})
+    p = body(text, 1, kv_transfer_params=kv_params.prefill(c.signer, "push", tid))
+    d = body(text, max_tokens, kv_transfer_params=kv_params.push_decode(
+        c.signer, tid, f"127.0.0.1:{p_side or c.p_side}", 1))
     return p, d
 
 

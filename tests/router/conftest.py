@@ -20,7 +20,7 @@ import pytest
 from neuron_disagg.router import RouterSettings, RunningRouter, start_router
 from neuron_disagg.router.instances import make_instance
 
-from .fakes import FakeVllm, KvBoard
+from .fakes import SECRET, SIGNER, FakeVllm, KvBoard
 
 TEST_TIMEOUT_S = 30.0
 
@@ -93,7 +93,7 @@ def completion(prompt: str = "hello there", **extra: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def cluster(prefill: int = 1, decode: int = 1, **settings: Any) -> AsyncIterator[Cluster]:
+async def cluster(prefill: int = 1, decode: int = 1, signed: bool = True, **settings: Any) -> AsyncIterator[Cluster]:
     board = KvBoard()
     prefills = [await FakeVllm("prefill", board, f"p{i}").start() for i in range(prefill)]
     decodes = [await FakeVllm("decode", board, f"d{i}").start() for i in range(decode)]
@@ -101,7 +101,8 @@ async def cluster(prefill: int = 1, decode: int = 1, **settings: Any) -> AsyncIt
     instances = [make_instance("prefill", f.url, f"127.0.0.1:{5600 + i}", i + 1, 5600, f"engine-p{i}")
                  for i, f in enumerate(prefills)]
     instances += [make_instance("decode", f.url, None, None, 5600) for f in decodes]
-    router = await start_router(RouterSettings.build(**settings), instances, shutdown_timeout_s=0.5)
+    router = await start_router(RouterSettings.build(**settings), instances, shutdown_timeout_s=0.5,
+                                signer=SIGNER if signed else None)
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
     try:
         yield Cluster(router, prefills, decodes, board, client)
@@ -120,7 +121,7 @@ async def router_process(*args: str, env: dict[str, str] | None = None) -> Async
     import signal
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "neuron_disagg.cli", "router", "--port", "0", *args,
-        env={**os.environ, **(env or {})}, stderr=asyncio.subprocess.PIPE)
+        env={**os.environ, "NEURON_DISAGG_SECRET": SECRET.decode(), **(env or {})}, stderr=asyncio.subprocess.PIPE)
     lines: list[str] = []
     drain = None
     try:

@@ -19,6 +19,11 @@ from typing import Any
 
 from aiohttp import web
 
+from neuron_disagg.kv_params import KEY, ParamsSigner
+
+SECRET = b"router-tests-deployment-secret-0123456789"
+SIGNER = ParamsSigner(SECRET)  # the router under test signs with it; the fakes verify as the connector does
+
 
 class KvBoard:
     def __init__(self) -> None:
@@ -37,7 +42,10 @@ class Received:
 
     @property
     def params(self) -> dict[str, Any]:
-        return self.body.get("kv_transfer_params") or {}
+        """The kv_transfer_params sent, checked as the connector checks ours (a bad signature or
+        unsigned params of ours raise); vLLM's connectors' as they are."""
+        params = self.body.get("kv_transfer_params") or {}
+        return SIGNER.verify(params) if KEY in params else params
 
     @property
     def transfer_id(self) -> str | None:

@@ -196,3 +196,19 @@ async def test_router_marks_arrival_and_first_byte_on_the_timeline(tmp_path):
     events = timeline.load(tmp_path)[tid]
     assert set(events) == {"router_arrived", "router_first_byte"}
     assert 0 < events["router_first_byte"] - events["router_arrived"] < 20
+
+
+async def test_our_modes_sign_their_params_and_a_router_without_the_secret_sends_no_leg():
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200, answer
+        raw = c.decodes[0].requests[0].body["kv_transfer_params"]
+        assert {"expires_ms", "signature"} <= raw.keys()  # the fake D verified it (Received.params)
+        assert c.decodes[0].requests[0].params["p_side_channel"] == "127.0.0.1:5600"
+    async with cluster(prefill=1, decode=1, mode="vllm-pull", signed=False) as c:
+        status, _, answer = await c.post("/v1/completions", completion(disagg_mode="push"))
+        assert status == 503 and answer["error"]["code"] == "router_without_secret", answer
+        assert "NEURON_DISAGG_SECRET" in answer["error"]["message"]
+        assert not c.prefills[0].requests and not c.decodes[0].requests
+        status, _, answer = await c.post("/v1/completions", completion())  # vLLM's connectors need none
+        assert status == 200, answer

@@ -89,16 +89,29 @@ def test_cli_builds_settings_from_flags_config_and_environment(tmp_path, monkeyp
     config = tmp_path / "deploy.yaml"
     config.write_text("mode: pull\nside_channel_port: 6100\n")
     monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
-    settings, instances, _, args = cli.build([
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", "x" * 32)
+    settings, instances, _, signer, args = cli.build([
         "--config", str(config), "--prefill", "http://10.0.0.1:8100,tp=2", "--decode",
         "http://10.0.0.2:8200", "--port", "0", "--prefill-timeout-s", "12.5", "--prefill-retries", "0"])
     assert settings.mode == "pull" and settings.api_key == "from-env"
     assert settings.prefill_timeout_s == 12.5 and settings.prefill_retries == 0
     assert [(i.role, i.side_channel, i.tp) for i in instances] == [
         ("prefill", "10.0.0.1:6100", 2), ("decode", "10.0.0.2:6100", 1)]
-    settings, _, _, _ = cli.build(["--config", str(config), "--mode", "push", "--api-key", "flag"])
+    assert signer is not None and "x" * 32 not in repr(signer)
+    settings, _, _, _, _ = cli.build(["--config", str(config), "--mode", "push", "--api-key", "flag"])
     assert settings.mode == "push" and settings.api_key == "flag"
     assert "flag" not in repr(settings)
+
+
+def test_cli_needs_the_deployment_secret_for_our_modes_only(monkeypatch):
+    """Our connector acts only on signed kv_transfer_params: a push or pull router without the
+    secret would send requests every instance serves without disaggregation. It fails at startup."""
+    monkeypatch.delenv("NEURON_DISAGG_SECRET", raising=False)
+    for mode in ("push", "pull"):
+        with pytest.raises(ConfigError, match="NEURON_DISAGG_SECRET"):
+            cli.build(["--mode", mode])
+    *_, signer, _ = cli.build(["--mode", "vllm-pull"])
+    assert signer is None
 
 
 @pytest.mark.parametrize("argv, words", [
