@@ -93,6 +93,13 @@ class Instance:
         """SIGKILL the whole instance (API server, engine core, workers)."""
         self._signal(signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP the whole instance: hung, as in a long GC pause, swap storm or stuck host."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
     def stop(self, timeout_s: float = 20) -> None:
         if self.process is None or self.process.poll() is not None:
             return self._signal(signal.SIGKILL)  # reap any leftover children of the group
@@ -201,12 +208,12 @@ def free_port() -> int:
 
 def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push",
            engine_ids: list[str] | None = None, timeline_dir: str | None = None,
-           secret: str | None = None) -> Instance:
+           secret: str | None = None, extra_args: tuple[str, ...] = ()) -> Instance:
     """The push-aware router over (P url, P side-channel port) pairs and D urls; ``engine_ids``
     (one per P) for the vllm-push mode; ``secret``: the deployment secret P and D hold (it signs
     kv_transfer_params; modes push and pull need it)."""
     command = [sys.executable, "-m", "neuron_disagg.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--mode", mode, *(["--timeline-dir", timeline_dir] if timeline_dir else [])]
+               "--mode", mode, *(["--timeline-dir", timeline_dir] if timeline_dir else []), *extra_args]
     for i, (url, side_port) in enumerate(prefill):
         spec = f"{url},side_channel=127.0.0.1:{side_port}"
         command += ["--prefill", spec + (f",engine_id={engine_ids[i]}" if engine_ids else "")]

@@ -8,7 +8,9 @@ reason code (``prefill_unreachable``, ``decode_timeout``, ...), and a 4xx answer
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import ExitStack
@@ -19,6 +21,7 @@ import aiohttp
 from .errors import RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from .instances import Instance, InstancePool
 
+log = logging.getLogger("neuron_disagg.router")
 
 if sys.version_info >= (3, 11):
     async def _within(awaitable: Awaitable[bytes], timeout_s: float) -> bytes:
@@ -35,11 +38,25 @@ def _snippet(raw: bytes, limit: int = 300) -> str:
     return text + ("..." if len(raw) > limit else "")
 
 
+def _message(raw: bytes) -> str | None:
+    """The message of an OpenAI-style error body (vLLM: {"error": {"message"}}, older {"message"})."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    message = (error if isinstance(error, dict) else body if isinstance(body, dict) else {}).get("message")
+    return message if isinstance(message, str) else None
+
+
 def _status_error(leg: str, inst: Instance, url: str, status: int, raw: bytes,
                   content_type: str) -> Exception:
     if status < 500:
         return UpstreamRejected(status, raw, content_type, url)
-    return UpstreamFailed(f"{leg} instance {inst.url} answered {status}: {_snippet(raw)}",
+    message = _message(raw)
+    if message and message.startswith("KV transfer failed:"):  # our connector's reason (vllm/failures.py)
+        return UpstreamFailed(f"{message}; decode instance {inst.url}", code="kv_transfer_failed", instance=inst)
+    return UpstreamFailed(f"{leg} instance {inst.url} answered {status}: {message or _snippet(raw)}",
                           code=f"{leg}_error", status=503 if status == 503 else 502, instance=inst)
 
 
@@ -55,20 +72,36 @@ def transport_error(leg: str, inst: Instance, exc: BaseException, what: str) -> 
                           f"{type(exc).__name__}: {exc}", code=f"{leg}_disconnected", instance=inst)
 
 
+def _reset_unanswered(exc: BaseException) -> bool:
+    """The instance dropped the kept-alive connection our request went out on, without a byte of
+    answer. After a pause longer than its keep-alive timeout (a long GC, swap, SIGSTOP) a vLLM
+    server closes its idle connections first thing, unread requests in them and all: sending once
+    more is what a client would do, and even a duplicate is harmless (the connector makes it a
+    sibling of the first: P computes the prompt once, D loads it once)."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or (
+        isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE))
+
+
 async def prefill_leg(session: aiohttp.ClientSession, inst: Instance, path: str,
                       body: dict[str, Any], headers: dict[str, str],
                       timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
     """Sends P its leg and returns P's JSON answer (push drains it, pull reads its
     ``kv_transfer_params``). Cancelling the caller closes the connection, and vLLM aborts."""
     url = inst.url + path
-    try:
-        async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
-            raw = await resp.read()
-            if resp.status >= 400:
-                raise _status_error("prefill", inst, url, resp.status, raw,
-                                    resp.headers.get("Content-Type", "application/json"))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise transport_error("prefill", inst, exc, "prefill leg") from exc
+    for attempt in (1, 2):
+        try:
+            async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    raise _status_error("prefill", inst, url, resp.status, raw,
+                                        resp.headers.get("Content-Type", "application/json"))
+            break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if attempt == 1 and _reset_unanswered(exc):
+                log.warning("prefill instance %s dropped the connection before answering (%s); sending "
+                            "the leg again", inst.url, exc)
+                continue
+            raise transport_error("prefill", inst, exc, "prefill leg") from exc
     try:
         answer = json.loads(raw)
     except ValueError:
@@ -111,8 +144,16 @@ class DecodeLeg:
 
     async def _open(self, stream: bool) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
-        self._resp = resp = await self._session.post(self._url, json=self._body,
-                                                     headers=self._headers, timeout=timeout)
+        try:
+            self._resp = resp = await self._session.post(self._url, json=self._body,
+                                                         headers=self._headers, timeout=timeout)
+        except aiohttp.ClientError as exc:
+            if not _reset_unanswered(exc):
+                raise
+            log.warning("decode instance %s dropped the connection before answering (%s); sending "
+                        "the leg again", self.inst.url, exc)
+            self._resp = resp = await self._session.post(self._url, json=self._body,
+                                                         headers=self._headers, timeout=timeout)
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", self.content_type)
         if resp.status >= 400:

@@ -17,7 +17,7 @@ import sys
 import uuid
 
 from ..config import Config, ConfigError
-from . import compat
+from . import compat, failures
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -61,7 +61,8 @@ def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[st
 
 def build_command(role: str, model: str, config: Config, vllm_args: list[str], python: str = sys.executable) -> list[str]:
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)), *vllm_args]
+            "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)),
+            "--middleware", failures.MIDDLEWARE, *vllm_args]
 
 
 def main(argv: list[str]) -> int:

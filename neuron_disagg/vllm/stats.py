@@ -3,7 +3,8 @@
 server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
 
 The payload is a plain dict (vLLM sends it between processes):
-``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...]}``, and
+``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...],
+"failed_requests": {router transfer id: reason}}`` (the last for ``failures.py``), and
 from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed (a
 gauge, so a leak shows on /metrics as a value that does not come back to 0) and its own counts.
 """
@@ -14,6 +15,8 @@ from collections import Counter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from .failures import remember
 
 COUNTS = {
     "transfers": "KV transfers completed (P: writes done; D: loads finished)",
@@ -30,7 +33,7 @@ COUNTS = {
 
 
 def empty() -> dict[str, Any]:
-    return {"counts": {}, "failures": {}, "recomputed": {}, "write_ms": [], "step_us": []}
+    return {"counts": {}, "failures": {}, "recomputed": {}, "write_ms": [], "step_us": [], "failed_requests": {}}
 
 
 def _median(values: list[float]) -> float:
@@ -48,7 +51,7 @@ class ConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (any(d["counts"].values()) or d["failures"] or d.get("recomputed") or d["write_ms"]
-                    or d["step_us"] or "held_blocks" in d)
+                    or d["step_us"] or "held_blocks" in d or d.get("failed_requests"))
 
     def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
         mine, theirs = self.data, other.data
@@ -57,6 +60,7 @@ class ConnectorStats(KVConnectorStats):
         mine["recomputed"] = dict(Counter(mine.get("recomputed", {})) + Counter(theirs.get("recomputed", {})))
         mine["write_ms"] = mine["write_ms"] + list(theirs.get("write_ms", []))
         mine["step_us"] = mine["step_us"] + list(theirs.get("step_us", []))
+        mine["failed_requests"] = {**mine.get("failed_requests", {}), **theirs.get("failed_requests", {})}
         if "held_blocks" in theirs:  # a gauge: the latest value wins
             mine["held_blocks"] = theirs["held_blocks"]
         return self
@@ -114,3 +118,4 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             self._step.labels(*labels).observe(us / 1e6)
         if "held_blocks" in transfer_stats_data:
             self._held.labels(*labels, self._role).set(transfer_stats_data["held_blocks"])
+        remember(transfer_stats_data.get("failed_requests") or {})

@@ -32,6 +32,7 @@ from ..transfer.side_channel import SideChannelClient, SideChannelServer
 from ..transfer.staging import HostStaging
 from ..transfer.transport import NixlTransport, region_spans
 from ..transfer.writer import PushWriter
+from .failures import router_transfer_id
 from .metadata import RankHandshake, StepMetadata
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class WorkerSide:
         self._seen_finished: set[str] = set()
         self._totals: Counter[str] = Counter()       # D-side outcomes, for metrics
         self._failure_reasons: Counter[str] = Counter()
+        self._told: dict[str, str] = {}  # D, policy fail: router transfer id -> why, for the client's error
         self._reported: Counter[str] = Counter()     # what earlier stats snapshots already sent
         self._reported_failures: Counter[str] = Counter()
         self._writes_reported = 0
@@ -255,6 +257,8 @@ class WorkerSide:
             log.warning("request %s (transfer %s) gets no KV: %s", request_id, tid, reason)
             with self._lock:
                 self._failed.add(request_id)
+                if not self.recompute:  # the request fails: its client learns why (failures.py)
+                    self._told[router_transfer_id(tid)] = reason
 
     # -- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> dict | None:
@@ -284,12 +288,14 @@ class WorkerSide:
         new_failures = {k: v - self._reported_failures[k] for k, v in failures.items() if v - self._reported_failures[k]}
         self._reported, self._reported_failures = totals, failures
         step_us, self.step_us = self.step_us, []
-        if not (counts or new_failures or write_ms or step_us):
+        with self._lock:
+            told, self._told = self._told, {}
+        if not (counts or new_failures or write_ms or step_us or told):
             return None
         # D under the recompute policy: every load that failed went back to vLLM to compute.
         recomputed = new_failures if self.role == "decode" and self.recompute else {}
         return {"counts": counts, "failures": new_failures, "recomputed": recomputed, "write_ms": write_ms,
-                "step_us": step_us}
+                "step_us": step_us, "failed_requests": told}
 
     def handshake(self) -> RankHandshake:
         return RankHandshake(self.rank_regions)

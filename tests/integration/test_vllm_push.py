@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 
 from neuron_disagg import timeline  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
-from neuron_disagg.local_cluster import free_port  # noqa: E402
+from neuron_disagg.local_cluster import free_port, router  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, kv_usage, legs,
@@ -122,11 +122,39 @@ def failing_decode(cluster):
         instance.stop()
 
 
-def test_with_the_fail_policy_the_client_gets_an_error_within_the_watchdog_bound(cluster, failing_decode):
-    response, elapsed = run(_decode_alone(cluster, failing_decode, prompt(40, 15)))
-    failed = response.status_code != 200 or response.json()["choices"][0].get("finish_reason") == "error"
-    assert failed, response.text
+def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_watchdog_bound(cluster, failing_decode):
+    """kv_load_failure_policy: fail. Straight to D (with the X-Request-Id the router sends) and
+    through the router, streaming and not: an error within the bound that says why the KV did not
+    come, never vLLM's bare "Internal server error"."""
+    _, d_body = legs(cluster, prompt(40, 15), 8, p_side=free_port())  # nothing listens there
+    tid = d_body["kv_transfer_params"]["transfer_id"]
+    started = time.monotonic()
+    response = httpx.post(f"{failing_decode.url}/v1/completions", json=d_body, headers={"X-Request-Id": tid},
+                          timeout=D_BOUND_S + 30)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["message"].startswith("KV transfer failed: "), response.text
     assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
+    # P computes each prompt, but D registers with a side channel nobody listens on.
+    r = router([(cluster.p.url, free_port())], [failing_decode.url], free_port(), secret=cluster.secret).start()
+    try:
+        r.wait_ready(60)
+
+        async def through_the_router():
+            async with httpx.AsyncClient(timeout=D_BOUND_S + 30) as client:
+                return await asyncio.gather(
+                    client.post(f"{r.url}/v1/completions", json=body(prompt(40, 16), 8)),
+                    client.post(f"{r.url}/v1/completions", json=body(prompt(40, 17), 8, stream=True)))
+
+        answered, streamed = run(through_the_router())
+    finally:
+        r.stop()
+    assert answered.status_code == 502, answered.text
+    error = answered.json()["error"]
+    assert error["code"] == "kv_transfer_failed" and error["message"].startswith("KV transfer failed: "), error
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert any(e.get("error", {}).get("message", "").startswith("KV transfer failed: ") for e in events), streamed.text
     wait_for(lambda: kv_usage(failing_decode) == 0.0, 20, "the failing D's KV usage back to 0")
 
 

@@ -66,6 +66,7 @@ class FakeVllm:
         # Behaviour, changed by tests while the server runs:
         self.hold: asyncio.Event | None = None   # completions wait for it before anything else
         self.fail_status: int | None = None      # then answer with this status
+        self.fail_body: dict | None = None       # and this body (default: vLLM's older error shape)
         self.hang = False                        # or never answer
         self.wait_for_kv = True                  # D in push mode: wait for P's mark
         self.chunks = 3                          # D: streamed text chunks before [DONE]
@@ -73,6 +74,7 @@ class FakeVllm:
         self.chunk_interval_s = 0.0              # D: simulated time per decoded token
         self.stream_then_die_after: int | None = None  # D: break the connection after N chunks
         self.omit_kv_params = False              # P in pull mode: answer without them
+        self.reset_next = 0                      # drop this many requests' connections unanswered
         self.health_ok = True
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0  # what /metrics says
         self.port = 0
@@ -132,11 +134,16 @@ class FakeVllm:
             self.active -= 1
 
     async def _answer(self, request: web.Request, rec: Received) -> web.StreamResponse:
+        if self.reset_next:  # as a server resuming from a long pause drops its kept-alive connections
+            self.reset_next -= 1
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.Event().wait()
         if self.hold is not None:
             await self.hold.wait()
         if self.fail_status is not None:
-            return web.json_response({"object": "error", "message": f"{self.name} failed on purpose",
-                                      "code": self.fail_status}, status=self.fail_status)
+            return web.json_response(self.fail_body or {"object": "error", "message": f"{self.name} failed on purpose",
+                                                        "code": self.fail_status}, status=self.fail_status)
         if self.hang:
             await asyncio.Event().wait()
         tid = rec.transfer_id or ""

@@ -143,3 +143,37 @@ async def test_client_disconnect_mid_stream_closes_the_decode_leg():
         resp.close()  # hang up after the first chunk
         await until(lambda: d.requests[0].cancelled, "D to see the stream closed")
         await until(lambda: c.instance(d).in_flight == 0, "the D lease to be released")
+
+
+async def test_a_leg_whose_connection_is_dropped_unanswered_is_sent_once_more():
+    """A vLLM resuming from a pause longer than its keep-alive timeout drops the connections that
+    requests reached it on meanwhile: each leg is sent again, once, on the same instance."""
+    for mode in ("push", "pull"):
+        async with cluster(prefill=1, decode=1, mode=mode) as c:
+            p, d = c.prefills[0], c.decodes[0]
+            p.reset_next = d.reset_next = 1
+            status, _, answer = await c.post("/v1/completions", completion())
+            assert status == 200, answer
+            assert len(p.requests) == 2 and len(d.requests) == 2
+            assert p.requests[0].transfer_id == p.requests[1].transfer_id  # the same leg, not a new attempt
+            p.reset_next = 2  # and not more than once
+            status, _, answer = await c.post("/v1/completions", completion())
+            assert status == 502 and answer["error"]["code"] == "prefill_disconnected", answer
+
+
+async def test_decodes_kv_transfer_failure_reaches_the_client_with_its_reason():
+    """D under kv_load_failure_policy: fail answers 500 saying why its KV did not come
+    (neuron_disagg/vllm/failures.py): the client gets that reason, not "answered 500: {...}"."""
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        d = c.decodes[0]
+        d.fail_status = 500
+        d.fail_body = {"error": {"message": "KV transfer failed: lease expired (kv_load_failure_policy: fail)",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 502 and answer["error"]["code"] == "kv_transfer_failed", answer
+        assert answer["error"]["message"].startswith("KV transfer failed: lease expired")
+        assert d.url in answer["error"]["message"]
+        d.fail_body = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert answer["error"]["code"] == "decode_error"
+        assert answer["error"]["message"].endswith("answered 500: Internal server error"), answer

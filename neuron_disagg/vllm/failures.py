@@ -1,0 +1,81 @@
+"""Why a request's KV did not arrive, told to the client that gets the error.
+
+With ``kv_load_failure_policy: fail`` vLLM ends such a request with its generic "Internal server
+error": the reason is known only in the worker that saw the transfer fail. It travels with the
+connector's stats — worker, engine core, API server: the path vLLM's own metrics take — and
+``remember`` keeps it here, in the API server process, by the router's transfer id. ``serve``
+installs ``kv_failure_reasons`` as vLLM HTTP middleware (``--middleware``): a 500 answer, or a
+stream's error event, for a request whose ``X-Request-Id`` names a transfer that failed says why,
+e.g. "KV transfer failed: lease expired". The router sends that header on every leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+
+from ..protocol.messages import TransferId
+
+MIDDLEWARE = f"{__name__}.kv_failure_reasons"
+_GENERIC = b"Internal server error"  # vLLM's message for a request that finished with an error
+_KEEP = 4096  # reasons remembered; each is read back within a second or never
+_WAIT_S = 1.0  # the stats that carry a reason can reach the API server just after the error does
+_recent: OrderedDict[str, str] = OrderedDict()
+
+
+def router_transfer_id(transfer: TransferId) -> str:
+    """The id the router sent (its X-Request-Id) for one prompt's transfer (``transfer_key``)."""
+    return f"{transfer.request.rsplit('/', 1)[0]}#{transfer.attempt}"
+
+
+def remember(failed: dict[str, str]) -> None:
+    """API server process: reasons that arrived with the connector's stats."""
+    for transfer_id, reason in failed.items():
+        _recent[transfer_id] = reason
+        _recent.move_to_end(transfer_id)
+    while len(_recent) > _KEEP:
+        _recent.popitem(last=False)
+
+
+async def _reason(transfer_id: str | None) -> str | None:
+    if not transfer_id:
+        return None
+    for _ in range(int(_WAIT_S / 0.05)):
+        if transfer_id in _recent:
+            return _recent.pop(transfer_id)
+        await asyncio.sleep(0.05)
+    return None
+
+
+def _told(reason: str) -> bytes:
+    text = f"KV transfer failed: {reason} (kv_load_failure_policy: fail)"
+    return json.dumps(text)[1:-1].encode()  # as it sits inside a JSON string
+
+
+async def kv_failure_reasons(request, call_next):
+    """vLLM HTTP middleware (Starlette's ``@app.middleware("http")`` form)."""
+    response = await call_next(request)
+    streaming = response.headers.get("content-type", "").startswith("text/event-stream")
+    if response.status_code != 500 and not streaming:
+        return response
+    transfer_id = request.headers.get("x-request-id")
+    if streaming:
+        chunks = response.body_iterator
+
+        async def told():
+            async for chunk in chunks:
+                if isinstance(chunk, bytes) and _GENERIC in chunk and b'"error"' in chunk:
+                    reason = await _reason(transfer_id)
+                    chunk = chunk.replace(_GENERIC, _told(reason)) if reason else chunk
+                yield chunk
+        response.body_iterator = told()
+        return response
+    from starlette.responses import Response  # vLLM's server is Starlette's
+
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    reason = await _reason(transfer_id) if _GENERIC in body else None
+    if reason:
+        body = body.replace(_GENERIC, _told(reason))
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    return Response(body, status_code=response.status_code, headers=headers)

@@ -1,0 +1,111 @@
+"""Hung peers through the router: SIGSTOP of the whole P or D instance (API server, engine core,
+workers) with requests in flight and more arriving, for less than the lease, more than the lease,
+and more than D's watchdog, in push and in pull. Every request must be answered with monolithic's
+tokens (D computes the prompt itself where the KV could not arrive), within the pause plus D's
+bound, and both instances must come back to no blocks in use and none held.
+
+A dedicated P and D (with their own router) are paused, so the instances the other tests share
+never are. Each scenario appends its row to the file named by NEURON_DISAGG_FAULT_MATRIX when set
+(the table in docs/faults.md comes from there)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+
+from neuron_disagg.local_cluster import free_port, router  # noqa: E402
+
+from .vllm_cluster import (  # noqa: E402
+    D_BOUND_S, TIMEOUTS, body, kv_usage, metric, next_id, prompt, reference, run, wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+PAUSES_S = {"shorter than the lease": TIMEOUTS["lease_s"] / 3,
+            "longer than the lease": TIMEOUTS["lease_s"] * 1.5,
+            "longer than the watchdog": TIMEOUTS["watchdog_s"] + 4}
+EARLY, LATE = 2, 2  # requests sent just before the pause, and while the instance is stopped
+
+
+@pytest.fixture(scope="module")
+def hung(cluster):
+    """A P, a D and a router of their own, sharing the cluster's vLLM, model and secret."""
+    p_side = free_port()
+    p = cluster.instance("prefill", p_side, "0", dict(TIMEOUTS))
+    d = cluster.instance("decode", free_port(), "1", dict(TIMEOUTS))
+    r = router([(p.url, p_side)], [d.url], free_port(), secret=cluster.secret,
+               extra_args=("--health-interval-s", "1"))
+    started = []
+    try:
+        for instance in (p, d):
+            started.append(instance.start())
+        for instance in (p, d):
+            instance.wait_ready()
+        started.append(r.start())
+        r.wait_ready(60)
+        yield {"prefill": p, "decode": d, "router": r}
+    finally:
+        for instance in started:
+            instance.resume()  # never leave a stopped group behind
+            instance.stop()
+
+
+def _nothing_in_use(instance) -> bool:
+    held = metric(instance, "neuron_disagg_held_blocks{")
+    return kv_usage(instance) == 0.0 and held == 0
+
+
+@pytest.mark.parametrize("pause", list(PAUSES_S))
+@pytest.mark.parametrize("target", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster, hung, mode, target, pause):
+    paused_s = PAUSES_S[pause]
+    texts = [prompt(150 + 20 * i, 300 + next_id()) for i in range(EARLY + LATE)]
+    d = hung["decode"]
+    recomputed_before = metric(d, "neuron_disagg_recomputed_total")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=D_BOUND_S + paused_s + 120) as client:
+            want = [await reference(cluster, client, t, 24) for t in texts]
+
+            def send(text):
+                return asyncio.create_task(client.post(f"{hung['router'].url}/v1/completions",
+                                                       json=body(text, 24, disagg_mode=mode)))
+
+            tasks = [send(t) for t in texts[:EARLY]]
+            await asyncio.sleep(0.05)
+            hung[target].pause()
+            stopped = time.monotonic()
+            try:
+                await asyncio.sleep(0.5)
+                tasks += [send(t) for t in texts[EARLY:]]
+                await asyncio.sleep(paused_s - 0.5)
+            finally:
+                hung[target].resume()
+            answers = await asyncio.gather(*tasks)
+            return want, answers, time.monotonic() - stopped
+
+    want, answers, took = run(scenario())
+    assert [a.status_code for a in answers] == [200] * len(texts), [a.text for a in answers]
+    got = [a.json()["choices"][0]["text"] for a in answers]
+    bound = paused_s + D_BOUND_S + 10
+    freed = wait_for(lambda: all(_nothing_in_use(hung[role]) for role in ("prefill", "decode")),
+                     D_BOUND_S + TIMEOUTS["lease_s"], "P's and D's blocks back to none in use and none held")
+    recomputed = int(metric(d, "neuron_disagg_recomputed_total") - recomputed_before)
+    row = (f"| SIGSTOP {target} {paused_s:g} s ({pause}) | {mode} | {len(texts)} answered, "
+           f"{recomputed} recomputed by D | {took:.1f} s (bound {bound:.0f}) | 0 (back in {freed:.1f} s) "
+           f"| {'yes' if got == want else 'NO'} |")
+    print(row)
+    if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
+        with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
+            out.write(row + "\n")
+    assert got == want
+    assert took < bound, f"answers took {took:.1f} s after the pause began, bound {bound:.0f} s"
+    wait_for(lambda: httpx.get(f"{hung['router'].url}/health", timeout=5).status_code == 200, 30,
+             "the router seeing both instances healthy again")
