@@ -2,10 +2,14 @@
 
 Order matters and is chosen so that a failure costs as little as possible: everything that can
 be checked locally (config, secret) is checked before the first AWS call; every read (instance
-types, AMI, subnet) comes before the first write; the router's host is launched last because its
-user data needs every other instance's address. If a launch fails midway, the instances this run
-started are terminated, whatever stopped it (the placement and security groups stay for the next try).
-Instances in a capacity reservation get no placement group (the reservation fixes where they run).
+types, AMI, subnet, reservations) comes before the first write. Instances of one type (and one
+reservation) start in one RunInstances call with MinCount = MaxCount: all or none, as a cluster
+placement group needs (added one call at a time, a later instance of a new group is the likeliest to
+find no capacity). Each instance learns its role from its launch index; the router's host learns
+its peers' addresses from tags launch sets once they all exist (user_data.py). If a launch fails
+midway, the instances this run started are terminated, whatever stopped it (the placement and
+security groups stay for the next try). Instances in a capacity reservation get no placement group
+(the reservation fixes where they run).
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class Planned:
 
 
 @dataclass
+class LaunchGroup:
+    """The instances one RunInstances call starts: one type, one reservation or none. The instance
+    whose ami-launch-index is k is ``members[k]``."""
+
+    instance_type: str
+    capacity_block_id: str | None
+    members: list[Planned]
+
+
+@dataclass
 class LaunchResult:
     instances: list[Planned] = field(default_factory=list)
     placement_group: str = ""
@@ -45,14 +59,15 @@ class LaunchResult:
     secret_parameter: str = ""  # the SecureString holding the secret; empty with secret_in_user_data
 
 
-def plan_instances(deployment: DeploymentConfig) -> list[Planned]:
-    """Every instance, the router's host last (its user data lists everyone else's address)."""
-    planned = [Planned(role, i, group.instance_type, group.capacity_block_id)
-               for role, group in (("prefill", deployment.prefill), ("decode", deployment.decode))
-               for i in range(group.count)]
-    host = next(p for p in planned if p.role == deployment.router.host and p.index == 0)
-    host.router = True
-    return [p for p in planned if not p.router] + [host]
+def plan_launches(deployment: DeploymentConfig) -> list[LaunchGroup]:
+    """One launch per instance type and reservation: P and D of one type start together."""
+    launches: dict[tuple[str, str | None], LaunchGroup] = {}
+    for role, group in (("prefill", deployment.prefill), ("decode", deployment.decode)):
+        key = (group.instance_type, group.capacity_block_id)
+        members = launches.setdefault(key, LaunchGroup(*key, [])).members
+        members += [Planned(role, i, group.instance_type, group.capacity_block_id,
+                            router=(role, i) == user_data.router_host(deployment)) for i in range(group.count)]
+    return list(launches.values())
 
 
 def subnet_facts(cloud: Cloud, subnet_id: str) -> tuple[str, str]:
@@ -64,22 +79,29 @@ def subnet_facts(cloud: Cloud, subnet_id: str) -> tuple[str, str]:
     return subnet["VpcId"], subnet["AvailabilityZone"]
 
 
-def run_instances_params(deployment: DeploymentConfig, instance: Planned, info: InstanceTypeInfo,
+def instance_tags(deployment: DeploymentConfig, instance: Planned) -> dict[str, str]:
+    """What status and teardown read: set on each instance once its launch index says which it is."""
+    return {"Name": f"{deployment.name}-{instance.name}", "neuron-disagg:role": instance.role,
+            "neuron-disagg:index": str(instance.index), "neuron-disagg:router": "yes" if instance.router else "no"}
+
+
+def run_instances_params(deployment: DeploymentConfig, launch: LaunchGroup, info: InstanceTypeInfo,
                          image: tuple[str, str], placement_group: str, groups: list[str],
                          script: str, reservation: reservations.Reservation | None = None) -> dict[str, Any]:
-    """One instance's RunInstances. An instance in a reservation gets no placement group: the
-    reservation already fixes where it runs, and a placement constraint outside it fails with
-    insufficient capacity even while the reservation has room."""
+    """One launch's RunInstances: all its instances or none. Instances in a reservation get no
+    placement group: the reservation already fixes where they run, and a placement constraint
+    outside it fails with insufficient capacity even while the reservation has room."""
     image_id, root_device = image
-    tags = {**deployment.resource_tags(), "Name": f"{deployment.name}-{instance.name}",
-            "neuron-disagg:role": instance.role, "neuron-disagg:index": str(instance.index),
-            "neuron-disagg:router": "yes" if instance.router else "no"}
+    roles = sorted({m.role for m in launch.members})
+    tags = {**deployment.resource_tags(), "Name": f"{deployment.name}-{'-'.join(roles)}"}
+    count = len(launch.members)
     params: dict[str, Any] = {
-        "ImageId": image_id, "InstanceType": instance.instance_type, "MinCount": 1, "MaxCount": 1,
+        "ImageId": image_id, "InstanceType": launch.instance_type, "MinCount": count, "MaxCount": count,
         "NetworkInterfaces": info.network_interfaces(deployment.subnet_id, groups),
         "BlockDeviceMappings": [{"DeviceName": root_device, "Ebs": {
             "VolumeSize": deployment.root_volume_gib, "VolumeType": "gp3", "DeleteOnTermination": True}}],
-        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled"},
+        # tags in metadata: the router's host reads its peers from them (no IAM permission needed)
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "InstanceMetadataTags": "enabled"},
         "UserData": script,
         "TagSpecifications": [{"ResourceType": kind, "Tags": tag_list(tags)} for kind in ("instance", "volume")],
     }
@@ -137,8 +159,8 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
     reserved = check_reservations(cloud, deployment, zone)
     tags = deployment.resource_tags()
     result = LaunchResult()
-    planned = plan_instances(deployment)
-    if any(not p.capacity_block_id for p in planned):
+    launches = plan_launches(deployment)
+    if any(not group.capacity_block_id for group in launches):
         result.placement_group = network.ensure_placement_group(cloud, deployment.name, tags)
     result.security_group_id = network.ensure_security_group(cloud, deployment.name, vpc_id, tags)
     groups = [result.security_group_id, *deployment.extra_security_group_ids]
@@ -147,31 +169,18 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
         result.secret_parameter = deployment.secret_parameter
 
     try:
-        for instance in planned:
-            router = None
-            if instance.router:
-                ips = {p.name: p.private_ip for p in planned if not p.router}
-                ips[instance.name] = user_data.HOST_IP
-                router = user_data.router_args(
-                    deployment,
-                    [ips[f"prefill-{i}"] for i in range(deployment.prefill.count)],
-                    [ips[f"decode-{i}"] for i in range(deployment.decode.count)])
-            script = user_data.render(deployment, instance.role, instance.index, router_args=router,
+        for group in launches:
+            script = user_data.render(deployment, [(m.role, m.index) for m in group.members],  # type: ignore[misc]
                                       secret=secret if deployment.secret_in_user_data else None)
-            info = types[instance.instance_type]
-            params = run_instances_params(deployment, instance, info, images[info.platform],
-                                          result.placement_group, groups, script,
-                                          reserved.get(instance.capacity_block_id or ""))
+            info = types[group.instance_type]
+            params = run_instances_params(deployment, group, info, images[info.platform], result.placement_group,
+                                          groups, script, reserved.get(group.capacity_block_id or ""))
             response = cloud.call("ec2", "RunInstances", **params)
-            if response is None:
-                instance.instance_id = placeholder(f"InstanceId of {instance.name}")
-                instance.private_ip = placeholder(f"private IP of {instance.name}")
-            else:
-                launched = response["Instances"][0]
-                instance.instance_id, instance.private_ip = launched["InstanceId"], launched.get("PrivateIpAddress", "")
-                cloud.note(f"launched {instance.name}: {instance.instance_id} {instance.instance_type} "
-                           f"{instance.private_ip} in {zone}" + (" (router)" if instance.router else ""))
-            result.instances.append(instance)
+            _record_launched(cloud, deployment, group, response, zone)
+            result.instances += group.members
+        host = next(p for p in result.instances if p.router)
+        peers = user_data.peer_tags([(p.role, p.private_ip) for p in result.instances])  # type: ignore[misc]
+        cloud.call("ec2", "CreateTags", Resources=[host.instance_id], Tags=tag_list(peers))
     except BaseException as exc:  # a timeout or Ctrl-C too: nothing this run started may keep billing
         started = [p.instance_id for p in result.instances]
         if started and not cloud.dry_run:
@@ -184,6 +193,25 @@ def launch(cloud: Cloud, deployment: DeploymentConfig) -> LaunchResult:
             else:
                 cloud.note(f"launch stopped by {type(exc).__name__}: {said}")
         raise
-    host = next(p for p in planned if p.router)
     result.router_url = f"http://{host.private_ip}:{deployment.router.port}"
     return result
+
+
+def _record_launched(cloud: Cloud, deployment: DeploymentConfig, group: LaunchGroup,
+                     response: dict[str, Any] | None, zone: str) -> None:
+    """Which instance is which member (by launch index; AWS does not promise the list's order), and
+    their tags."""
+    if response is None:  # a dry run
+        for member in group.members:
+            member.instance_id = placeholder(f"InstanceId of {member.name}")
+            member.private_ip = placeholder(f"private IP of {member.name}")
+    else:
+        for position, launched in enumerate(response["Instances"]):
+            member = group.members[launched.get("AmiLaunchIndex", position)]
+            member.instance_id, member.private_ip = launched["InstanceId"], launched.get("PrivateIpAddress", "")
+    for member in group.members:
+        cloud.call("ec2", "CreateTags", Resources=[member.instance_id],
+                   Tags=tag_list(instance_tags(deployment, member)))
+        if response is not None:
+            cloud.note(f"launched {member.name}: {member.instance_id} {member.instance_type} "
+                       f"{member.private_ip} in {zone}" + (" (router)" if member.router else ""))

@@ -27,6 +27,9 @@ INSTANCE_SECRET_FILE = "/etc/neuron-disagg/secret"
 SECRET_PARAMETER_TEMPLATE = "/neuron-disagg/{name}/secret"
 
 
+_IMDS_TAG_KEY = re.compile(r"[A-Za-z0-9+\-=.,_:@]+")
+
+
 class RoleGroup(BaseModel):
     """The prefill or decode instances: one type, a count, optionally a Capacity Block."""
 
@@ -127,6 +130,12 @@ class DeploymentConfig(BaseModel):
         reserved = [k for k in tags if k.startswith("neuron-disagg:") or k.startswith("aws:")]
         if reserved:
             raise ValueError(f"tag keys {reserved} are reserved (neuron-disagg:* and aws:* are set by launch)")
+        # The instances allow tags in instance metadata (the router's host reads its peers there),
+        # and EC2 then refuses to launch with a tag key outside this set.
+        unfit = [k for k in tags if not _IMDS_TAG_KEY.fullmatch(k) or k in (".", "..", "_index")]
+        if unfit:
+            raise ValueError(f"tag keys {unfit} cannot be instance tags readable from instance metadata, which "
+                             "launch turns on: use letters, digits and + - = . , _ : @ only (no spaces or /)")
         return tags
 
     # -- construction -------------------------------------------------------------------------------

@@ -2,6 +2,12 @@
 secret and the unit's arguments under /etc/neuron-disagg, then start the systemd units baked into
 the AMI (ami/units/).
 
+One script serves every instance of one RunInstances call: launch starts all instances of a type at
+once (all or none, which a cluster placement group needs), so each learns its role and index from
+its ``ami-launch-index``. The router's host learns every instance's address after they all exist:
+launch tags it with them (``neuron-disagg:peers-*``) and it reads its own tags from the instance
+metadata service, which needs no IAM permission.
+
 Why user data rather than a config baked into the AMI: one AMI serves every deployment; what
 differs per instance (role, model, peers' addresses) is only known at launch. The host's own IP is
 filled in at boot from the instance metadata service, because the side channel must listen on, and
@@ -23,12 +29,16 @@ import yaml
 from .settings import DeploymentConfig
 
 Role = Literal["prefill", "decode"]
+Member = tuple[Role, int]  # (role, index) of one instance of a launch
 HOST_IP = "__HOST_IP__"  # replaced at boot by the instance's private IPv4 address
 SECRET_READ_ATTEMPTS = 12  # 10 s apart: two minutes for the instance role's credentials to work
+PEERS_TAG = "neuron-disagg:peers"  # -count: how many; -0, -1, ...: "role@ip" words, a tag value each
+PEERS_READ_ATTEMPTS = 90  # 10 s apart: launch tags the router's host once every instance exists
+TAG_VALUE_MAX = 256
 _END = "NEURON_DISAGG_EOF"
 
 _HEADER = """#!/bin/bash
-# neuron-disagg {role}-{index} of deployment {name}: written by `neuron-disagg launch`.
+# neuron-disagg {members} of deployment {name}: written by `neuron-disagg launch`.
 # Writes /etc/neuron-disagg/ (config.yaml, the root-only secret, each unit's arguments) and starts the
 # systemd units baked into the AMI by ami/. Its output: /var/log/neuron-disagg-user-data.log
 set -euo pipefail
@@ -49,6 +59,53 @@ if [[ ! "$HOST_IP" =~ ^[0-9.]+$ ]]; then
   exit 1
 fi
 install -d -m 0755 "$ETC"
+# This instance's place in its launch: ami-launch-index counts the instances of one RunInstances call.
+LAUNCH_INDEX=$(imds ami-launch-index)
+case "$LAUNCH_INDEX" in
+{cases}
+  *) echo "neuron-disagg: launch index '$LAUNCH_INDEX' is not one launch planned" >&2; exit 1 ;;
+esac
+echo "neuron-disagg: this is $ROLE-$INDEX"
+"""
+
+_ROUTER = """
+# The router runs here: every instance's address comes as this host's tags {tag}-*, set by launch
+# once all exist, read from the instance metadata service (tags in metadata are enabled at launch).
+if [[ "$ROLE-$INDEX" == {host} ]]; then
+  for attempt in $(seq 1 {attempts}); do
+    count=$(imds "tags/instance/{tag}-count" 2> /dev/null || true)
+    peers=()
+    if [[ "$count" =~ ^[0-9]+$ ]]; then
+      i=0
+      while part=$(imds "tags/instance/{tag}-$i" 2> /dev/null); do
+        read -r -a words <<< "$part"
+        peers+=("${{words[@]}}")
+        i=$((i + 1))
+      done
+      [[ "${{#peers[@]}}" == "$count" ]] && break
+    fi
+    if [[ "$attempt" == {attempts} ]]; then
+      echo "neuron-disagg: launch never tagged this host with its peers ({tag}-*); is tags-in-metadata on?" >&2
+      exit 1
+    fi
+    sleep "${{NEURON_DISAGG_RETRY_DELAY_S:-10}}"
+  done
+  router_args="--host 0.0.0.0 --port {port}"
+  for peer in "${{peers[@]}}"; do
+    ip=${{peer#*@}}
+    if [[ ! "$ip" =~ ^[0-9.]+$ ]]; then
+      echo "neuron-disagg: peer '$peer' is not role@IPv4" >&2
+      exit 1
+    fi
+    case "${{peer%%@*}}" in
+      prefill) router_args+=" --prefill http://$ip:{prefill_port},tp={tp}" ;;
+      decode) router_args+=" --decode http://$ip:{decode_port}" ;;
+      *) echo "neuron-disagg: peer '$peer' has no role" >&2; exit 1 ;;
+    esac
+  done
+  printf 'ROUTER_ARGS="%s"\n' "$router_args" > "$ETC/router.env"
+  units+=(neuron-disagg-router)
+fi
 """
 
 _SECRET_INLINE = """
@@ -90,18 +147,17 @@ sed -i "s/{host_ip}/$HOST_IP/g" "$ETC/{path}"
 """
 
 _START = """
-units=({units})
-for unit in "${{units[@]}}"; do
+for unit in "${units[@]}"; do
   if ! systemctl cat "$unit.service" > /dev/null 2>&1; then
     echo "neuron-disagg: this AMI has no $unit.service: it is not a neuron-disagg AMI; bake one with ami/build.sh" >&2
     exit 1
   fi
 done
 systemctl daemon-reload
-for unit in "${{units[@]}}"; do
+for unit in "${units[@]}"; do
   systemctl enable --now "$unit.service"
 done
-echo "neuron-disagg: started ${{units[*]}}"
+echo "neuron-disagg: started ${units[*]}"
 """
 
 
@@ -110,11 +166,13 @@ def _env_file(values: dict[str, str]) -> str:
     return "".join(f'{key}="{value}"\n' for key, value in values.items())
 
 
-def render(deployment: DeploymentConfig, role: Role, index: int, *, router_args: list[str] | None,
-           secret: bytes | None) -> str:
-    """The user data of one instance. ``secret`` is used only with ``secret_in_user_data``; it is None
-    in a dry run (the script then says where the secret would go, never the secret)."""
-    parts = [_HEADER.format(role=role, index=index, name=deployment.name)]
+def render(deployment: DeploymentConfig, members: list[Member], *, secret: bytes | None) -> str:
+    """The user data of one launch: the instance with ami-launch-index k is ``members[k]``.
+    ``secret`` is used only with ``secret_in_user_data``; it is None in a dry run (the script then
+    says where the secret would go, never the secret)."""
+    cases = "\n".join(f"  {k}) ROLE={role}; INDEX={index} ;;" for k, (role, index) in enumerate(members))
+    names = ", ".join(f"{role}-{index}" for role, index in members)
+    parts = [_HEADER.format(members=names, name=deployment.name, cases=cases)]
     config = dict(deployment.instance_config(), side_channel_host=HOST_IP)
     parts.append(_FILE.format(path="config.yaml", end=_END, host_ip=HOST_IP,
                               body=yaml.safe_dump(config, sort_keys=True)))
@@ -124,23 +182,32 @@ def render(deployment: DeploymentConfig, role: Role, index: int, *, router_args:
     else:
         encoded = base64.b64encode(secret).decode() if secret is not None else "<secret, redacted in dry run>"
         parts.append(_SECRET_INLINE.format(end=_END, encoded=encoded))
-    port = deployment.prefill_port if role == "prefill" else deployment.decode_port
-    parts.append(_FILE.format(path=f"{role}.env", end=_END, host_ip=HOST_IP, body=_env_file(
-        {"MODEL": deployment.model, "VLLM_ARGS": " ".join(deployment.vllm_serve_args(port))})))
-    units = [f"neuron-disagg-{role}"]
-    if router_args is not None:
-        parts.append(_FILE.format(path="router.env", end=_END, host_ip=HOST_IP,
-                                  body=_env_file({"ROUTER_ARGS": " ".join(router_args)})))
-        units.append("neuron-disagg-router")
-    parts.append(_START.format(units=" ".join(units)))
+    for role in sorted({role for role, _ in members}):
+        port = deployment.prefill_port if role == "prefill" else deployment.decode_port
+        parts.append(_FILE.format(path=f"{role}.env", end=_END, host_ip=HOST_IP, body=_env_file(
+            {"MODEL": deployment.model, "VLLM_ARGS": " ".join(deployment.vllm_serve_args(port))})))
+    parts.append('\nunits=("neuron-disagg-$ROLE")\n')
+    if router_host(deployment) in members:
+        parts.append(_ROUTER.format(host="-".join(map(str, router_host(deployment))), tag=PEERS_TAG,
+                                    attempts=PEERS_READ_ATTEMPTS, port=deployment.router.port,
+                                    prefill_port=deployment.prefill_port, decode_port=deployment.decode_port,
+                                    tp=deployment.tensor_parallel_size))
+    parts.append(_START)
     return "".join(parts)
 
 
-def router_args(deployment: DeploymentConfig, prefill_ips: list[str], decode_ips: list[str]) -> list[str]:
-    """`neuron-disagg router` flags (besides --config) for the given instances' addresses."""
-    args = ["--host", "0.0.0.0", "--port", str(deployment.router.port)]
-    for ip in prefill_ips:
-        args += ["--prefill", f"http://{ip}:{deployment.prefill_port},tp={deployment.tensor_parallel_size}"]
-    for ip in decode_ips:
-        args += ["--decode", f"http://{ip}:{deployment.decode_port}"]
-    return args
+def router_host(deployment: DeploymentConfig) -> Member:
+    return (deployment.router.host, 0)
+
+
+def peer_tags(members: list[tuple[Role, str]]) -> dict[str, str]:
+    """The router host's tags naming every instance (role, private IP): words "role@ip", as many per
+    tag as fit in a tag value, and their count."""
+    words = [f"{role}@{ip}" for role, ip in members]
+    values: list[str] = []
+    for word in words:
+        if values and len(values[-1]) + 1 + len(word) <= TAG_VALUE_MAX:
+            values[-1] += " " + word
+        else:
+            values.append(word)
+    return {f"{PEERS_TAG}-count": str(len(words)), **{f"{PEERS_TAG}-{i}": v for i, v in enumerate(values)}}

@@ -122,6 +122,7 @@ class MotoGaps:
         events.register("before-call.ec2.RunInstances", self._maybe_fail)
         events.register("before-call.ec2.DescribeCapacityReservations", self._reservations)
         events.register("before-send.ec2.RunInstances", self._record)
+        events.register("after-call.ec2.RunInstances", self._launch_indexes)
 
     def _keep_params(self, params, **_):
         self._params = dict(params)
@@ -171,6 +172,14 @@ class MotoGaps:
         if self.fail_run_instances and len(self.run_instances_wire) >= self.fail_after:
             return error(*self.fail_run_instances, status=500)
         return None
+
+    def _launch_indexes(self, parsed, **_):
+        """moto leaves out each instance's AmiLaunchIndex (it creates them in that order); AWS does
+        not promise the list's order: answer with the indexes, in reverse."""
+        instances = parsed.get("Instances", [])
+        for index, instance in enumerate(instances):
+            instance["AmiLaunchIndex"] = index
+        instances.reverse()
 
     def _record(self, request, **_):
         body = request.body.decode() if isinstance(request.body, bytes) else request.body

@@ -64,7 +64,7 @@ def test_dry_run_of_the_1p1d_examples_shares_one_config(tmp_path, script, instan
                                  KEY_NAME="k", IAM_INSTANCE_PROFILE="neuron-disagg"))
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
-    assert [p["InstanceType"] for p in params] == [instance_type, instance_type]
+    assert [(p["InstanceType"], p["MinCount"], p["MaxCount"]) for p in params] == [(instance_type, 2, 2)]
     assert all(p["KeyName"] == "k" and "MODEL=\"Qwen/Qwen3-32B\"" in p["UserData"] for p in params)
     assert all("--tensor-parallel-size 8" in p["UserData"] for p in params)
     assert all(p["IamInstanceProfile"] == {"Name": "neuron-disagg"} for p in params)
@@ -89,7 +89,7 @@ def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
                "2", "3", "p5en.48xlarge")
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
-    assert len(params) == 5 and {p["InstanceType"] for p in params} == {"p5en.48xlarge"}
+    assert [(p["InstanceType"], p["MinCount"]) for p in params] == [("p5en.48xlarge", 5)]  # one call, all or none
     assert all(p["InstanceMarketOptions"] == {"MarketType": "capacity-block"} for p in params)
     usage = run("xpyd.sh", clean_env(tmp_path), "two")
     assert usage.returncode == 2 and "usage: examples/xpyd.sh X Y" in usage.stderr

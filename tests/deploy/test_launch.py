@@ -27,6 +27,7 @@ from neuron_disagg.deploy.status import status
 from neuron_disagg.deploy.teardown import teardown
 
 from .conftest import INSTANCE_PROFILE, REGION, SECRET, register_image, subnet_in, write_config
+from .test_user_data import env_file, run_script
 
 
 def deployment(tmp_path, network, **values) -> DeploymentConfig:
@@ -81,22 +82,26 @@ def test_launch_creates_placement_group_security_group_and_instances(cloud, netw
         assert [g["GroupId"] for g in primary["Groups"]] == [result.security_group_id]
         assert tags(instance)["Name"] == f"t1-{role}-0"
     assert tags(launched["prefill"])["neuron-disagg:router"] == "yes"
-    assert [p.name for p in result.instances] == ["decode-0", "prefill-0"]  # the router's host last
+    assert [p.name for p in result.instances] == ["prefill-0", "decode-0"]
     assert result.router_url == f"http://{launched['prefill']['PrivateIpAddress']}:8000"
 
-    decode_script = user_data(ec2, launched["decode"]["InstanceId"])
-    prefill_script = user_data(ec2, launched["prefill"]["InstanceId"])
-    assert "neuron-disagg-decode" in decode_script and "neuron-disagg-router" not in decode_script
-    for script in (decode_script, prefill_script):  # the secret comes from SSM, not from the user data
-        assert "ssm get-parameter --region us-east-2 --with-decryption --name /neuron-disagg/t1/secret" in script
-        assert SECRET not in script and base64.b64encode(SECRET.encode()).decode() not in script
-    assert f"--decode http://{launched['decode']['PrivateIpAddress']}:8200" in prefill_script
-    assert "--prefill http://__HOST_IP__:8100,tp=8" in prefill_script
+    (wire,) = gaps.run_instances_wire  # P and D of one type: one call, both or neither
+    assert wire["MinCount"] == wire["MaxCount"] == "2"
+    assert wire["Placement.GroupName"] == "neuron-disagg-t1"
+    assert wire["MetadataOptions.HttpTokens"] == "required"
+    assert wire["MetadataOptions.InstanceMetadataTags"] == "enabled"  # the router's host reads its peers there
+    assert wire["IamInstanceProfile.Name"] == INSTANCE_PROFILE  # what reads the secret
 
-    wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
-    assert all(w["Placement.GroupName"] == "neuron-disagg-t1" for w in wire)
-    assert all(w["MetadataOptions.HttpTokens"] == "required" for w in wire)
-    assert all(w["IamInstanceProfile.Name"] == INSTANCE_PROFILE for w in wire)  # what reads the secret
+    script = user_data(ec2, launched["decode"]["InstanceId"])
+    assert script == user_data(ec2, launched["prefill"]["InstanceId"])  # one script: the launch index decides
+    assert "0) ROLE=prefill; INDEX=0 ;;" in script and "1) ROLE=decode; INDEX=0 ;;" in script
+    # the secret comes from SSM, not from the user data
+    assert "ssm get-parameter --region us-east-2 --with-decryption --name /neuron-disagg/t1/secret" in script
+    assert SECRET not in script and base64.b64encode(SECRET.encode()).decode() not in script
+    ips = {role: i["PrivateIpAddress"] for role, i in launched.items()}
+    assert tags(launched["prefill"])["neuron-disagg:peers-count"] == "2"
+    assert tags(launched["prefill"])["neuron-disagg:peers-0"] == f"prefill@{ips['prefill']} decode@{ips['decode']}"
+    assert not any(k.startswith("neuron-disagg:peers") for k in tags(launched["decode"]))
 
 
 @pytest.mark.parametrize("instance_type, cards", [("trn2.48xlarge", 16), ("p5en.48xlarge", 16), ("trn1.32xlarge", 8)])
@@ -110,7 +115,7 @@ def test_one_efa_interface_per_network_card(cloud, network, baked_ami, gaps, ec2
                                       decode={"instance_type": instance_type}, subnet_id=subnet))
 
     wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == instance_type]
-    assert len(wire) == 2
+    assert len(wire) == 1
     for body in wire:
         layout = interfaces(body)
         assert [int(i["NetworkCardIndex"]) for i in layout] == list(range(cards))
@@ -144,17 +149,33 @@ def test_launch_refuses_to_double_a_running_deployment(cloud, network, baked_ami
     assert len(instances_of(ec2)) == 2
 
 
-def test_xpyd_launches_every_instance_and_lists_them_for_the_router(cloud, network, baked_ami, ec2, tmp_path):
+def test_xpyd_launches_each_type_in_one_call_and_the_router_host_learns_every_address(
+        cloud, network, baked_ami, gaps, ec2, tmp_path):
+    """2P3D of two types: one RunInstances per type; each instance learns its role from its launch
+    index; the router's host boots (its user data run here, with launch's tags as its metadata)
+    and lists every instance by the address EC2 gave it."""
+    register_image(ec2, "neuron-disagg-cuda-test", "cuda")
     result = launch(cloud, deployment(tmp_path, network, prefill={"instance_type": "trn2.48xlarge", "count": 2},
-                                      decode={"instance_type": "trn2.48xlarge", "count": 3},
+                                      decode={"instance_type": "p5en.48xlarge", "count": 3},
                                       router={"host": "decode"}))
-    assert [p.name for p in result.instances] == ["prefill-0", "prefill-1", "decode-1", "decode-2", "decode-0"]
-    router = result.instances[-1]
-    script = user_data(ec2, router.instance_id)
-    for planned in result.instances[:-1]:
-        port = 8100 if planned.role == "prefill" else 8200
-        assert f"http://{planned.private_ip}:{port}" in script
-    assert "--decode http://__HOST_IP__:8200" in script
+    assert [(w["InstanceType"], w["MinCount"], w["MaxCount"]) for w in gaps.run_instances_wire] == [
+        ("trn2.48xlarge", "2", "2"), ("p5en.48xlarge", "3", "3")]
+    by_id = {i["InstanceId"]: i for i in instances_of(ec2)}
+    assert len(by_id) == 5
+    for planned in result.instances:
+        assert tags(by_id[planned.instance_id])["Name"] == f"t1-{planned.name}"
+        assert by_id[planned.instance_id]["PrivateIpAddress"] == planned.private_ip
+    router = next(p for p in result.instances if p.router)
+    assert router.name == "decode-0"
+    launch_index = [p.name for p in result.instances if p.role == "decode"].index("decode-0")
+    done, root = run_script(user_data(ec2, router.instance_id), tmp_path, launch_index=launch_index,
+                            instance_tags=tags(by_id[router.instance_id]), host_ip=router.private_ip)
+    assert done.returncode == 0, done.stdout + done.stderr
+    args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"]
+    for planned in result.instances:
+        flag, port = ("--prefill", "8100,tp=8") if planned.role == "prefill" else ("--decode", "8200")
+        assert f"{flag} http://{planned.private_ip}:{port}" in args
+    assert "enable --now neuron-disagg-router.service" in (root / "systemctl.log").read_text()
 
 
 def test_status_lists_the_deployment_by_tag(cloud, network, baked_ami, ec2, tmp_path):
@@ -220,14 +241,15 @@ def test_unsupported_instance_type_fails_before_anything_is_created(cloud, netwo
 
 def test_no_capacity_names_the_ways_out_and_rolls_back(cloud, network, baked_ami, gaps, ec2, tmp_path):
     gaps.fail_run_instances = ("InsufficientInstanceCapacity",
-                               "We currently do not have sufficient trn2.48xlarge capacity in the zone you requested.")
-    gaps.fail_after = len(gaps.run_instances_wire) + 1  # D starts, then P finds no capacity
+                               "We currently do not have sufficient p5en.48xlarge capacity in the zone you requested.")
+    gaps.fail_after = len(gaps.run_instances_wire) + 1  # P's type starts, then D's finds no capacity
+    register_image(ec2, "neuron-disagg-cuda-test", "cuda")
 
     with pytest.raises(NoCapacity) as err:
-        launch(cloud, deployment(tmp_path, network))
+        launch(cloud, deployment(tmp_path, network, decode={"instance_type": "p5en.48xlarge"}))
 
     message = str(err.value)
-    assert "Capacity Block" in message and "another Availability Zone" in message and "trn2.48xlarge" in message
+    assert "Capacity Block" in message and "another Availability Zone" in message and "p5en.48xlarge" in message
     assert "terminated the 1 instance(s)" in message
     assert instances_of(ec2) == []
     assert "neuron-disagg-t1" in gaps.placement_groups  # kept for the next try
@@ -239,7 +261,7 @@ def test_capacity_block_is_requested_for_every_instance_without_a_placement_grou
     launch(cloud, deployment(tmp_path, network, prefill={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"},
                              decode={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}))
     wire = [w for w in gaps.run_instances_wire if w.get("InstanceType") == "trn2.48xlarge"]
-    assert len(wire) == 2
+    assert len(wire) == 1 and wire[0]["MinCount"] == "2"
     for body in wire:
         assert body["InstanceMarketOptions.MarketType"] == "capacity-block"
         assert body["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0abc"
@@ -250,7 +272,7 @@ def test_capacity_block_is_requested_for_every_instance_without_a_placement_grou
 def test_an_on_demand_capacity_reservation_launches_as_one(cloud, network, baked_ami, gaps, tmp_path):
     gaps.reserve("cr-0def", "trn2.48xlarge", network["zone"], capacity_block=False)
     launch(cloud, deployment(tmp_path, network, decode={"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0def"}))
-    d, p = gaps.run_instances_wire  # D first: the router's host (prefill-0) launches last
+    p, d = gaps.run_instances_wire  # one launch per type and reservation
     assert d["CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"] == "cr-0def"
     assert "InstanceMarketOptions.MarketType" not in d and not any(k.startswith("Placement.") for k in d)
     assert p["Placement.GroupName"] == "neuron-disagg-t1"  # P has no reservation: the cluster group
@@ -283,10 +305,10 @@ def test_a_full_reservation_at_launch_says_so_instead_of_advising_to_buy_one(clo
     gaps.reserve("cr-0abc", "trn2.48xlarge", network["zone"])
     gaps.fail_run_instances = ("ReservationCapacityExceeded", "The requested reservation does not have sufficient "
                                                               "compatible and available capacity for this request.")
-    gaps.fail_after = 1
+    gaps.fail_after = 1  # P (no reservation) starts, then D's reservation is full
     group = {"instance_type": "trn2.48xlarge", "capacity_block_id": "cr-0abc"}
     with pytest.raises(ReservationUnusable) as err:
-        launch(cloud, deployment(tmp_path, network, prefill=group, decode=group))
+        launch(cloud, deployment(tmp_path, network, decode=group))
     assert "cr-0abc has no free" in str(err.value) and "offerings" not in str(err.value)
     assert "terminated the 1 instance(s)" in str(err.value) and instances_of(ec2) == []
 
@@ -294,9 +316,10 @@ def test_a_full_reservation_at_launch_says_so_instead_of_advising_to_buy_one(clo
 def test_an_unexpected_failure_midway_still_terminates_what_was_launched(cloud, network, baked_ami, gaps, ec2,
                                                                          tmp_path):
     gaps.raise_on_run_instances = ReadTimeoutError(endpoint_url="https://ec2.us-east-2.amazonaws.com")
-    gaps.fail_after = 1
+    gaps.fail_after = 1  # P's type starts, then D's call times out
+    register_image(ec2, "neuron-disagg-cuda-test", "cuda")
     with pytest.raises(ReadTimeoutError):
-        launch(cloud, deployment(tmp_path, network))
+        launch(cloud, deployment(tmp_path, network, decode={"instance_type": "p5en.48xlarge"}))
     assert instances_of(ec2) == []
     assert "launch stopped by ReadTimeoutError: terminated the 1 instance(s)" in cloud.log.getvalue()
 

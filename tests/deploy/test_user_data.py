@@ -34,12 +34,16 @@ def shellcheck() -> str:
 
 
 def fake_bin(tmp_path: Path, units_present: bool = True, aws_failures: int = 0) -> Path:
-    """curl answering like IMDSv2, systemctl and aws recording their arguments; aws fails (as with no
-    permission yet) its first ``aws_failures`` times."""
+    """curl answering like IMDSv2 from the files under tmp_path/imds (meta-data paths; a missing one
+    is a 404), systemctl and aws recording their arguments; aws fails (as with no permission yet) its
+    first ``aws_failures`` times."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    imds = tmp_path / "imds"
     scripts = {
-        "curl": f'#!/bin/bash\nif [[ "$*" == *"-X PUT"* ]]; then echo token; else echo {HOST_IP}; fi\n',
+        "curl": ('#!/bin/bash\nif [[ "$*" == *"-X PUT"* ]]; then echo token; exit 0; fi\n'
+                 'path="${*: -1}"; path="${path#http://169.254.169.254/latest/meta-data/}"\n'
+                 f'[[ -f "{imds}/$path" ]] || exit 22\ncat "{imds}/$path"\n'),
         "systemctl": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/systemctl.log"\n'
                       + ('' if units_present else '[[ "$1" == cat ]] && exit 1\n') + 'exit 0\n'),
         "aws": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/aws.log"\n'
@@ -55,10 +59,18 @@ def fake_bin(tmp_path: Path, units_present: bool = True, aws_failures: int = 0) 
     return bin_dir
 
 
-def run_script(script: str, tmp_path: Path, units_present: bool = True,
-               aws_failures: int = 0) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(script: str, tmp_path: Path, units_present: bool = True, aws_failures: int = 0, *,
+               launch_index: int = 0, instance_tags: dict[str, str] | None = None,
+               host_ip: str = HOST_IP) -> tuple[subprocess.CompletedProcess, Path]:
+    """Runs a boot script as the instance with ``launch_index`` in its launch, with ``instance_tags``
+    in its metadata."""
     root = tmp_path / "root"
     root.mkdir()
+    imds = tmp_path / "imds"
+    for path, value in {"local-ipv4": host_ip, "ami-launch-index": str(launch_index),
+                        **{f"tags/instance/{k}": v for k, v in (instance_tags or {}).items()}}.items():
+        (imds / path).parent.mkdir(parents=True, exist_ok=True)
+        (imds / path).write_text(value + "\n")
     path = tmp_path / "user-data.sh"
     path.write_text(script)
     env = {**os.environ, "NEURON_DISAGG_ROOT": str(root), "NEURON_DISAGG_RETRY_DELAY_S": "0",
@@ -83,11 +95,10 @@ def inline(tmp_path, **values) -> DeploymentConfig:
 def test_rendered_scripts_pass_shellcheck(tmp_path):
     config = deployment(tmp_path)
     scripts = {
-        "decode": user_data.render(config, "decode", 0, router_args=None, secret=None),
-        "router": user_data.render(config, "prefill", 0, secret=None,
-                                   router_args=user_data.router_args(config, [user_data.HOST_IP], ["10.0.0.2"])),
-        "inline": user_data.render(inline(tmp_path), "decode", 0, router_args=None, secret=SECRET.encode()),
-        "inline-dry-run": user_data.render(inline(tmp_path), "decode", 0, router_args=None, secret=None),
+        "decode": user_data.render(config, [("decode", 0)], secret=None),
+        "router": user_data.render(config, [("prefill", 0), ("decode", 0)], secret=None),
+        "inline": user_data.render(inline(tmp_path), [("decode", 0)], secret=SECRET.encode()),
+        "inline-dry-run": user_data.render(inline(tmp_path), [("decode", 0)], secret=None),
     }
     for name, script in scripts.items():
         path = tmp_path / f"{name}.sh"
@@ -100,7 +111,7 @@ def test_rendered_scripts_pass_shellcheck(tmp_path):
 def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path, secret_in_user_data):
     make = inline if secret_in_user_data else deployment
     config = make(tmp_path, vllm_args=["--max-num-seqs", "32"])
-    script = user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode())
+    script = user_data.render(config, [("decode", 0)], secret=SECRET.encode())
     assert (SECRET.encode() in base64.b64decode(script.split("<<'NEURON_DISAGG_EOF'\n")[2].split()[0])
             if secret_in_user_data else SECRET not in script)
     done, root = run_script(script, tmp_path)
@@ -123,11 +134,16 @@ def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path, secret_i
     assert SECRET not in done.stdout + (root / "var/log/neuron-disagg-user-data.log").read_text()
 
 
-def test_router_host_boot_lists_every_instance_with_its_own_address(tmp_path):
+LAUNCH = [("prefill", 0), ("prefill", 1), ("decode", 0)]  # one launch of one type: ami-launch-index 0, 1, 2
+
+
+def test_router_host_boot_lists_every_instance_launch_tagged_it_with(tmp_path):
     config = deployment(tmp_path)
-    router = user_data.router_args(config, [user_data.HOST_IP, "10.20.1.5"], ["10.20.1.6"])
-    done, root = run_script(user_data.render(config, "prefill", 0, router_args=router, secret=SECRET.encode()), tmp_path)
+    peers = user_data.peer_tags([("prefill", HOST_IP), ("prefill", "10.20.1.5"), ("decode", "10.20.1.6")])
+    done, root = run_script(user_data.render(config, LAUNCH, secret=SECRET.encode()), tmp_path, launch_index=0,
+                            instance_tags={"Name": "t1-prefill-0", **peers})
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "this is prefill-0" in done.stdout
     args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"].split()
     assert args == ["--host", "0.0.0.0", "--port", "8000", "--prefill", f"http://{HOST_IP}:8100,tp=8",
                     "--prefill", "http://10.20.1.5:8100,tp=8", "--decode", "http://10.20.1.6:8200"]
@@ -135,9 +151,40 @@ def test_router_host_boot_lists_every_instance_with_its_own_address(tmp_path):
         "enable --now neuron-disagg-prefill.service", "enable --now neuron-disagg-router.service"]
 
 
+def test_the_launch_index_picks_the_role_and_only_the_router_host_waits_for_peers(tmp_path):
+    done, root = run_script(user_data.render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
+                            launch_index=2)  # decode-0: no tags to wait for
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "this is decode-0" in done.stdout and not (root / "etc/neuron-disagg/router.env").exists()
+    assert (root / "systemctl.log").read_text().splitlines()[-1] == "enable --now neuron-disagg-decode.service"
+
+
+@pytest.mark.parametrize("launch_index, tags, words", [
+    (0, {}, "never tagged this host with its peers"),
+    (0, {"neuron-disagg:peers-count": "3", "neuron-disagg:peers-0": "prefill@10.0.0.1 decode@10.0.0.2"},
+     "never tagged this host with its peers"),  # tags still arriving: it keeps waiting, then gives up
+    (0, {"neuron-disagg:peers-count": "1", "neuron-disagg:peers-0": "prefill@$(reboot)"}, "is not role@IPv4"),
+    (7, {}, "launch index '7' is not one launch planned"),
+])
+def test_the_router_host_refuses_missing_or_bad_peers_and_starts_nothing(tmp_path, launch_index, tags, words):
+    done, root = run_script(user_data.render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
+                            launch_index=launch_index, instance_tags=tags)
+    assert done.returncode == 1 and words in done.stdout, done.stdout
+    assert not (root / "systemctl.log").exists()
+
+
+def test_peer_tags_split_many_instances_over_tag_values_within_the_limit():
+    members = [("prefill" if i < 64 else "decode", f"10.20.{i // 200}.{i % 200 + 10}") for i in range(128)]
+    tags = user_data.peer_tags(members)
+    assert tags["neuron-disagg:peers-count"] == "128"
+    values = [v for k, v in tags.items() if k != "neuron-disagg:peers-count"]
+    assert all(len(v) <= 256 for v in values) and len(values) > 1
+    assert " ".join(values).split() == [f"{role}@{ip}" for role, ip in members]
+
+
 def test_secret_from_ssm_is_fetched_with_the_instance_role_and_retried(tmp_path):
     config = deployment(tmp_path, secret_ssm_parameter="/nd/secret")
-    script = user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode())
+    script = user_data.render(config, [("decode", 0)], secret=SECRET.encode())
     assert SECRET not in script  # even when launch has the secret at hand
     done, root = run_script(script, tmp_path, aws_failures=2)  # e.g. the role's credentials not there yet
     assert done.returncode == 0, done.stdout + done.stderr
@@ -149,7 +196,7 @@ def test_secret_from_ssm_is_fetched_with_the_instance_role_and_retried(tmp_path)
 
 
 def test_boot_stops_when_the_role_cannot_read_the_secret(tmp_path):
-    script = user_data.render(deployment(tmp_path), "decode", 0, router_args=None, secret=None)
+    script = user_data.render(deployment(tmp_path), [("decode", 0)], secret=None)
     done, root = run_script(script, tmp_path, aws_failures=99)
     assert done.returncode == 1
     assert "could not read the deployment secret from SecureString /neuron-disagg/t1/secret" in done.stdout
@@ -160,7 +207,7 @@ def test_boot_stops_when_the_role_cannot_read_the_secret(tmp_path):
 
 def test_boot_on_an_ami_without_our_units_fails_with_a_pointer_to_the_bake(tmp_path):
     config = deployment(tmp_path)
-    done, _ = run_script(user_data.render(config, "decode", 0, router_args=None, secret=SECRET.encode()), tmp_path,
+    done, _ = run_script(user_data.render(config, [("decode", 0)], secret=SECRET.encode()), tmp_path,
                          units_present=False)
     assert done.returncode == 1
     assert "not a neuron-disagg AMI; bake one with ami/build.sh" in done.stdout + done.stderr  # tee'd
@@ -193,7 +240,8 @@ def test_units_run_serve_with_what_the_boot_script_wrote(tmp_path, role):
     """The unit's command, expanded like systemd would with the files user data wrote, is accepted
     by `neuron-disagg serve` (config, secret, vLLM version), which prints the vllm command it would exec."""
     config = deployment(tmp_path)
-    done, root = run_script(user_data.render(config, role, 0, router_args=None, secret=SECRET.encode()), tmp_path)
+    done, root = run_script(user_data.render(config, [(role, 0)], secret=SECRET.encode()), tmp_path,
+                            instance_tags=user_data.peer_tags([(role, HOST_IP)]))  # prefill-0 hosts the router
     assert done.returncode == 0, done.stderr
     etc = root / "etc/neuron-disagg"
     service = unit(role)["Service"]
