@@ -65,6 +65,15 @@ def test_reserved_tags(tmp_path):
         DeploymentConfig.from_yaml(write_config(tmp_path, tags={"neuron-disagg:role": "x"}))
 
 
+@pytest.mark.parametrize("key", ["team/owner", "cost center", "_index"])
+def test_tag_keys_instance_metadata_cannot_carry_are_refused_before_launch(tmp_path, key):
+    """The instances expose their tags in instance metadata (the router's host reads its peers there),
+    and EC2 refuses a launch with such a tag key: said here instead, naming what is allowed."""
+    with pytest.raises(DeploymentConfigError, match="no spaces or /"):
+        DeploymentConfig.from_yaml(write_config(tmp_path, tags={key: "x"}))
+    assert DeploymentConfig.from_yaml(write_config(tmp_path, tags={"team:owner@x": "a/b c"})).tags
+
+
 def test_secret_parameter_is_named_after_the_deployment_unless_set(tmp_path):
     assert DeploymentConfig.from_yaml(write_config(tmp_path, name="prod-1")).secret_parameter == (
         "/neuron-disagg/prod-1/secret")
