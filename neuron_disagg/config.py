@@ -16,7 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .protocol.consumer import ConsumerTimeouts
+from .protocol.lender import LenderTimeouts
 from .protocol.producer import ProducerTimeouts
+from .protocol.reader import ReaderTimeouts
 from .protocol.wire import MIN_SECRET_BYTES
 
 if TYPE_CHECKING:
@@ -41,6 +43,9 @@ class Config(BaseModel):
                                        description="D waits this long to allocate blocks")
     max_write_s: float = Field(30.0, gt=0, le=3600,
                                description="P abandons a write that takes longer")
+    max_read_s: float = Field(30.0, gt=0, le=3600,
+                              description="pull: D abandons a read that takes longer (P's lease on an "
+                              "offer covers it)")
     clock_skew_allowance_s: float = Field(1.0, ge=0, le=60,
                                           description="added to fences: clock skew + tick interval")
     tombstone_s: float = Field(600.0, gt=0, le=86400,
@@ -136,6 +141,12 @@ class Config(BaseModel):
     def producer_timeouts(self) -> ProducerTimeouts:
         return ProducerTimeouts(self.lease_s, self.max_write_s, self.watchdog_s,
                                 self.clock_skew_allowance_s, self.tombstone_s)
+
+    def lender_timeouts(self) -> LenderTimeouts:
+        return LenderTimeouts(self.max_read_s, self.clock_skew_allowance_s, self.tombstone_s)
+
+    def reader_timeouts(self) -> ReaderTimeouts:
+        return ReaderTimeouts(self.max_read_s, self.clock_skew_allowance_s, self.tombstone_s)
 
     def consumer_timeouts(self) -> ConsumerTimeouts:
         return ConsumerTimeouts(self.watchdog_s, self.admission_timeout_s, self.heartbeat_interval_s,

@@ -5,9 +5,11 @@ every decision comes out as an action (see ``actions.py``).
 """
 
 from .actions import (
-    AbortWrite, Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitWrite, Transitioned,
+    AbortRead, AbortWrite, Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead, SubmitWrite,
+    Transitioned,
 )
 from .consumer import ConsumerCore, ConsumerTimeouts, DState
+from .lender import LenderCore, LenderTimeouts, LState
 from .errors import (
     BadSignature, MalformedMessage, MessageError, OversizeMessage, PlanError, ProtocolError,
     UnknownVersion,
@@ -18,6 +20,7 @@ from .messages import (
 )
 from .plan import WritePlan, peer_ranks, plan_write
 from .producer import ProducerCore, ProducerTimeouts, PState
+from .reader import ReaderCore, ReaderTimeouts, RState
 from .wire import WireCodec
 
 __all__ = [name for name in dir() if not name.startswith("_")]

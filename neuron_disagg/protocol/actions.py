@@ -3,9 +3,9 @@ the demo) performs each action in the order returned; the cores never do I/O the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .messages import Message, TransferId, WriteDone
+from .messages import Message, ReadDone, TransferId, WriteDone
 from .plan import WritePlan
 
 
@@ -23,6 +23,24 @@ class SubmitWrite:
 @dataclass(frozen=True, slots=True)
 class AbortWrite:
     """P: release the transfer's in-flight WRITEs now; they must not touch D's memory afterwards."""
+
+    transfer_id: TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRead:
+    """D: post one READ per P rank in ``plans`` (p_rank -> plan); each carries ``notification``.
+    Report the outcome as ``read_done`` or ``read_failed`` on the reader core."""
+
+    transfer_id: TransferId
+    plans: dict[int, WritePlan] = field(hash=False)
+    p_side_channel: str = ""
+    notification: ReadDone | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRead:
+    """D: release the transfer's in-flight READs now; they must not land in our blocks afterwards."""
 
     transfer_id: TransferId
 
@@ -72,4 +90,5 @@ class Transitioned:
     reason: str | None = None
 
 
-Action = SubmitWrite | AbortWrite | SendMessage | FreeBlocks | FinishLoad | FailTransfer | Transitioned
+Action = (SubmitWrite | AbortWrite | SubmitRead | AbortRead | SendMessage | FreeBlocks | FinishLoad | FailTransfer
+          | Transitioned)

@@ -40,7 +40,8 @@ from ..protocol.messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
     Registration, TransferId, WriteDone, WriteFailed,
 )
-from ..protocol.pull import LenderCore, ReaderCore
+from ..protocol.lender import LenderCore, LenderTimeouts
+from ..protocol.reader import ReaderCore, ReaderTimeouts
 from ..protocol.producer import ProducerCore, ProducerTimeouts
 from ..protocol.wire import WireCodec
 from .peers import Peers
@@ -85,10 +86,10 @@ class Peer:
         peers = Peers(self.transport, SideChannelClient(self.codec), self.address, args.role)
         self.mode, self.lease_s = args.mode, args.lease_s
         if self.role == "prefill" and self.mode == "pull":
-            self.core = LenderCore(0, 1, args.max_write_s, 0.2)
+            self.core = LenderCore(0, 1, LenderTimeouts(args.max_write_s, 0.2))
             self.thread = PullLender(self.core, self.transport, self.codec, peers, self.freed)
         elif self.role == "decode" and self.mode == "pull":
-            self.core = ReaderCore(0, 1, args.max_write_s)
+            self.core = ReaderCore(0, 1, ReaderTimeouts(args.max_write_s))
             self.thread = PullReader(self.core, self.transport, self.codec, peers, self.loaded,
                                      self.failed, self.freed)
         elif self.role == "prefill":

@@ -18,10 +18,11 @@ import time
 from collections import Counter
 from typing import Callable
 
-from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage, Transitioned
+from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead, Transitioned
 from ..protocol.errors import MessageError
 from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
-from ..protocol.pull import AbortRead, LenderCore, ReaderCore, SubmitRead
+from ..protocol.lender import LenderCore
+from ..protocol.reader import ReaderCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inflight import InFlight, Part

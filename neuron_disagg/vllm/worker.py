@@ -22,7 +22,8 @@ from ..protocol.messages import (
     Registration, TransferId, WriteDone, WriteFailed,
 )
 from ..protocol.producer import ProducerCore
-from ..protocol.pull import LenderCore, ReaderCore
+from ..protocol.lender import LenderCore
+from ..protocol.reader import ReaderCore
 from ..protocol.wire import WireCodec
 from ..timeline import Timeline
 from ..transfer.peers import Peers
@@ -112,17 +113,15 @@ class WorkerSide:
             core = ProducerCore(exposed, self.tp_rank, self.tp_size, t.producer_timeouts(), total_heads=heads)
             self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free,
                                      self.staging)
-            self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.max_write_s, t.clock_skew_allowance_s,
-                                              t.tombstone_s, total_heads=heads), self.transport, self.codec,
-                                   peers(self.transport, "pull"), self._on_free)
+            self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.lender_timeouts(), total_heads=heads),
+                                   self.transport, self.codec, peers(self.transport, "pull"), self._on_free)
             routes = {Registration: self.thread, Heartbeat: self.thread, Cancel: self.thread, ReadFailed: self.pull}
         else:
             heads = self.total_heads
             core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts(), total_heads=heads)
             self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
                                        self._on_loaded, self._on_failed, self._on_free, self.staging)
-            self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.max_write_s, t.tombstone_s,
-                                              total_heads=heads, clock_skew_allowance_s=t.clock_skew_allowance_s),
+            self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.reader_timeouts(), total_heads=heads),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
             routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}

@@ -1,4 +1,5 @@
-"""Every row of pull mode's two tables (protocol/pull.py) and the lease/fence arithmetic."""
+"""Every row of pull mode's two tables (protocol/lender.py, protocol/reader.py) and the lease/fence
+arithmetic."""
 
 import msgspec
 import pytest
@@ -6,10 +7,9 @@ import pytest
 from neuron_disagg.protocol import FailTransfer, FinishLoad, FreeBlocks, RankRegions, SendMessage, TransferId
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions
 from neuron_disagg.protocol.messages import PullOffer, ReadDone, ReadFailed
-from neuron_disagg.protocol.pull import (
-    LENDER_TABLE, READER_TABLE, AbortRead, LenderCore, LEvent, LState, ReaderCore, REffect, REvent,
-    RState, SubmitRead,
-)
+from neuron_disagg.protocol.actions import AbortRead, SubmitRead
+from neuron_disagg.protocol.lender import LENDER_TABLE, LenderCore, LenderTimeouts, LEvent, LState
+from neuron_disagg.protocol.reader import READER_TABLE, ReaderCore, ReaderTimeouts, REffect, REvent, RState
 
 REGIONS = rank_regions(ModelShape(2, 2, 8, 2, 4), 16)
 TID = TransferId("req")
@@ -22,11 +22,11 @@ def offer(tid=TID, expires_at=10.0, p_tp=1):
 
 
 def lender():
-    return LenderCore(0, 1, max_read_s=2, clock_skew_allowance_s=0.5, strict=True)
+    return LenderCore(0, 1, LenderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5), strict=True)
 
 
 def reader(tp_rank=0, tp_size=1):
-    return ReaderCore(tp_rank, tp_size, max_read_s=2, strict=True)
+    return ReaderCore(tp_rank, tp_size, ReaderTimeouts(max_read_s=2), strict=True)
 
 
 LOCAL = RankRegions(0, "d0", REGIONS)
@@ -172,7 +172,7 @@ def test_reader_rejects_an_offer_with_the_wrong_block_count():
 @pytest.mark.parametrize("behind_s, refused", [(0.4, False), (3.0, True)])
 def test_reader_refuses_an_offer_stamped_beyond_the_skew_allowance(behind_s, refused):
     """D's clock reading behind P's would start READs after P's lease freed the blocks."""
-    c = ReaderCore(0, 1, max_read_s=2, strict=True, clock_skew_allowance_s=0.5)
+    c = ReaderCore(0, 1, ReaderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5), strict=True)
     sent = 100.0
     stamped = msgspec.structs.replace(offer(expires_at=sent + 10), sent_at=sent)
     actions = c.offered(stamped, sent - behind_s)

@@ -1,141 +1,26 @@
-"""Pull mode: D reads P's KV after P finished, for deployments that pick D late.
+"""Pull mode, D's side of one tensor-parallel rank: the reader.
 
-P (the lender, per rank) offers its finished blocks (``PullOffer``) and holds them under a lease;
-D (the reader, per rank) allocates, then READs from every P rank whose heads it needs, off its
-engine loop. The fencing mirrors push: D starts no READ after the offer's ``expires_at`` and
-abandons a READ after ``max_write_s``; P frees when every reading D rank confirmed (``ReadDone``
-rides on the READ, ``ReadFailed`` comes over the side channel) or when the lease ends.
-Both sides' transitions are in the two tables below.
+D learns P's offer with the decode leg, allocates, then READs from every P rank whose heads it
+needs, off its engine loop. The fencing mirrors push: D starts no READ after the offer's
+``expires_at`` (refusing outright an offer stamped in its own future beyond the clock skew
+allowance) and abandons a READ after ``max_read_s``. Every transition is in ``READER_TABLE``; the
+core does no I/O and is called only by D's pull reader thread.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage
+from .actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead
 from .errors import PlanError
 from .machine import Entry, Rule, StateMachine, Step, clock_behind_reason
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
-from .plan import WritePlan, plan_rank_write, target_ranks, writer_ranks
+from .plan import WritePlan, plan_rank_write, writer_ranks
 
 
-# -- P: the lender ---------------------------------------------------------------------------------------
-class LState(enum.Enum):
-    NEW = "new"
-    HELD = "held"          # offered; readers may be reading
-    RELEASED = "released"  # every reader confirmed
-    EXPIRED = "expired"    # the lease ended first
-
-
-class LEvent(enum.Enum):
-    OFFER = "offer"
-    CONFIRMED = "confirmed"    # one reader confirmed, others owe theirs
-    ALL_CONFIRMED = "all_confirmed"
-    ABORT = "abort"
-    EXPIRED = "expired"
-    SUPERSEDED = "superseded"
-
-
-class LEffect(enum.Enum):
-    ARM_LEASE = "deadline := expires_at + max_write_s + clock_skew_allowance_s"
-    FREE_BLOCKS = "free the offered blocks"
-    FAIL = "report that nobody read the KV"
-    FREE_LATE_BLOCKS = "free the blocks of an offer made after the transfer ended"
-    DROP = "count"
-
-
-_L, _LE, _LF = LState, LEvent, LEffect
-LENDER_TABLE: dict[tuple[LState, LEvent], Rule] = {
-    (_L.NEW, _LE.OFFER): Rule(_L.HELD, (_LF.ARM_LEASE,)),
-    (_L.HELD, _LE.CONFIRMED): Rule(None),
-    (_L.HELD, _LE.ALL_CONFIRMED): Rule(_L.RELEASED, (_LF.FREE_BLOCKS,)),
-    (_L.HELD, _LE.EXPIRED): Rule(_L.EXPIRED, (_LF.FREE_BLOCKS, _LF.FAIL), "no decode read the KV within its lease"),
-    (_L.HELD, _LE.ABORT): Rule(None, (_LF.DROP,)),  # a reader may be mid-READ: the lease decides
-    (_L.HELD, _LE.SUPERSEDED): Rule(None),          # likewise
-    (_L.NEW, _LE.SUPERSEDED): Rule(_L.RELEASED, (), "superseded by a newer attempt"),
-}
-for _end in (_L.RELEASED, _L.EXPIRED):
-    LENDER_TABLE.update({(_end, e): Rule(None, (_LF.DROP,)) for e in (_LE.CONFIRMED, _LE.ALL_CONFIRMED, _LE.ABORT)})
-    LENDER_TABLE[(_end, _LE.SUPERSEDED)] = Rule(None)
-    LENDER_TABLE[(_end, _LE.OFFER)] = Rule(None, (_LF.FREE_LATE_BLOCKS,))  # nobody will read it
-
-
-@dataclass
-class Loan(Entry[LState]):
-    offer: PullOffer | None = None
-    block_ids: tuple[int, ...] = ()
-    owed_by: set[int] | None = None  # D ranks still to confirm; known from the first confirmation
-    d_tp_size: int = 0
-
-
-class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
-    """P rank side of pull mode; called by P's pull lender thread."""
-
-    TABLE, NEW, TERMINAL = LENDER_TABLE, LState.NEW, frozenset({LState.RELEASED, LState.EXPIRED})
-    EXPIRED, SUPERSEDED = LEvent.EXPIRED, LEvent.SUPERSEDED
-
-    def __init__(self, tp_rank: int, tp_size: int, max_read_s: float, clock_skew_allowance_s: float,
-                 tombstone_s: float = 600.0, strict: bool = False, total_heads: int | None = None):
-        super().__init__(tombstone_s=tombstone_s, strict=strict)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.max_read_s, self.skew_s = max_read_s, clock_skew_allowance_s
-        self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
-
-    def _new_entry(self, transfer_id: TransferId, now: float) -> Loan:
-        return Loan(transfer_id, LState.NEW, now)
-
-    def offer(self, offer: PullOffer, now: float) -> list:
-        """Prefill finished; ``offer`` (built by the caller) lends its blocks to whoever reads."""
-        step = Step(self._clock(now), payload=offer)
-        self._fire(self._entry(offer.transfer_id, step, create=True), LEvent.OFFER, step)
-        return step.actions
-
-    def confirmed(self, message: ReadDone | ReadFailed, now: float) -> list:
-        step = Step(self._clock(now), payload=message)
-        entry = self._entry(message.transfer_id, step, create=False)
-        name = type(message).__name__.lower()
-        if entry is None or entry.state is not LState.HELD:
-            self._drop(f"{name}:{'unknown' if entry is None else entry.state.value}")
-            return step.actions
-        if entry.owed_by is None:
-            entry.owed_by = set(target_ranks(self.tp_rank, self.tp_size, message.d_tp_size, self.total_heads))
-            entry.d_tp_size = message.d_tp_size
-        if message.d_rank not in entry.owed_by or message.d_tp_size != entry.d_tp_size:
-            self._drop(f"{name}:not_owed")
-            return step.actions
-        entry.owed_by.discard(message.d_rank)
-        self._fire(entry, LEvent.CONFIRMED if entry.owed_by else LEvent.ALL_CONFIRMED, step)
-        return step.actions
-
-    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list:
-        step = Step(self._clock(now), reason=reason)
-        entry = self._entry(transfer_id, step, create=False)
-        if entry is not None:
-            self._fire(entry, LEvent.ABORT, step)
-        return step.actions
-
-    def tick(self, now: float) -> list:
-        return self._tick(now)
-
-    def _run_effect(self, entry: Loan, effect: LEffect, step: Step) -> None:
-        if effect is LEffect.ARM_LEASE:
-            entry.offer, entry.block_ids = step.payload, step.payload.block_ids
-            entry.deadline = step.payload.expires_at + self.max_read_s + self.skew_s
-        elif effect is LEffect.FREE_BLOCKS:
-            step.actions.append(FreeBlocks(entry.transfer_id, entry.block_ids))
-        elif effect is LEffect.FAIL:
-            step.actions.append(FailTransfer(entry.transfer_id, step.reason or "expired"))
-        elif effect is LEffect.FREE_LATE_BLOCKS:
-            self._drop("offer:after_end")
-            step.actions.append(FreeBlocks(entry.transfer_id, step.payload.block_ids))
-        elif effect is LEffect.DROP:
-            self._drop(f"{type(step.payload).__name__.lower()}:{entry.state.value}")
-
-
-# -- D: the reader ----------------------------------------------------------------------------------------
 class RState(enum.Enum):
     NEW = "new"
     WAITING = "waiting"        # offer known; our blocks not allocated yet
@@ -159,7 +44,7 @@ class REvent(enum.Enum):
 
 class REffect(enum.Enum):
     ARM_OFFER = "deadline := the offer's expiry"
-    SUBMIT_READ = "plan and post the READs; deadline := now + max_write_s"
+    SUBMIT_READ = "plan and post the READs; deadline := now + max_read_s"
     ABORT_READ = "release in-flight READs"
     FREE_BLOCKS = "free our destination blocks"
     TELL_P_FAILED = "tell P: ReadFailed"
@@ -183,7 +68,7 @@ READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.READING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED, _RF.FAIL)),
     (_R.READING, _RE.EXPIRED): Rule(
         _R.FAILED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED, _RF.FAIL),
-        "read did not finish within max_write_s"),
+        "read did not finish within max_read_s"),
     (_R.READING, _RE.ABORT): Rule(_R.ABORTING),
     (_R.READING, _RE.SUPERSEDED): Rule(_R.ABORTING),
     (_R.ABORTING, _RE.READ_DONE): Rule(_R.CANCELLED, (_RF.FREE_BLOCKS,)),
@@ -200,6 +85,13 @@ for _end in (_R.DONE, _R.FAILED, _R.CANCELLED):
     READER_TABLE[(_end, _RE.ALLOCATED)] = Rule(None, (_RF.FREE_LATE_BLOCKS,))  # e.g. the offer lapsed
 
 
+@dataclass(frozen=True)
+class ReaderTimeouts:
+    max_read_s: float = 30.0  # abandon a READ that takes longer (its blocks wait for the fence)
+    clock_skew_allowance_s: float = 1.0
+    tombstone_s: float = 600.0
+
+
 @dataclass
 class Read(Entry[RState]):
     offer: PullOffer | None = None
@@ -208,33 +100,16 @@ class Read(Entry[RState]):
     first_block_index: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class SubmitRead:
-    """D: post one READ per P rank in ``plans`` (p_rank -> plan); each carries ``notification``.
-    Report the outcome as ``read_done`` or ``read_failed`` on the reader core."""
-
-    transfer_id: TransferId
-    plans: dict[int, WritePlan] = field(hash=False)
-    p_side_channel: str = ""
-    notification: ReadDone | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRead:
-    transfer_id: TransferId
-
-
 class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     """D rank side of pull mode; called by D's pull reader thread."""
 
     TABLE, NEW, TERMINAL = READER_TABLE, RState.NEW, frozenset({RState.DONE, RState.FAILED, RState.CANCELLED})
     EXPIRED, SUPERSEDED = REvent.EXPIRED, REvent.SUPERSEDED
 
-    def __init__(self, tp_rank: int, tp_size: int, max_read_s: float, tombstone_s: float = 600.0,
-                 strict: bool = False, total_heads: int | None = None, clock_skew_allowance_s: float = 1.0):
-        super().__init__(tombstone_s=tombstone_s, strict=strict)
-        self.tp_rank, self.tp_size, self.max_read_s = tp_rank, tp_size, max_read_s
-        self.skew_s = clock_skew_allowance_s
+    def __init__(self, tp_rank: int, tp_size: int, timeouts: ReaderTimeouts = ReaderTimeouts(),
+                 strict: bool = False, total_heads: int | None = None):
+        super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
+        self.tp_rank, self.tp_size, self.timeouts = tp_rank, tp_size, timeouts
         self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> Read:
@@ -244,8 +119,9 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         """The decode leg arrived with P's (verified) offer."""
         step = Step(self._clock(now), payload=offer)
         entry = self._entry(offer.transfer_id, step, create=True)
-        if offer.sent_at - step.now > self.skew_s and entry.state is RState.NEW:  # we would READ past P's lease
-            step.reason = clock_behind_reason("decode", "prefill", offer.sent_at, step.now, self.skew_s)
+        skew_s = self.timeouts.clock_skew_allowance_s
+        if offer.sent_at - step.now > skew_s and entry.state is RState.NEW:  # we would READ past P's lease
+            step.reason = clock_behind_reason("decode", "prefill", offer.sent_at, step.now, skew_s)
             self._fire(entry, REvent.CLOCK_BEHIND, step)
         else:
             self._fire(entry, REvent.OFFER, step)
@@ -318,7 +194,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
                 self.counters["offer_rejected"] += 1
                 self._fire(entry, REvent.READ_FAILED, Step(step.now, f"offer rejected: {exc}", actions=step.actions))
                 return
-            entry.deadline = step.now + self.max_read_s
+            entry.deadline = step.now + self.timeouts.max_read_s
             step.actions.append(SubmitRead(tid, plans, entry.offer.p_side_channel,
                                            ReadDone(tid, self.tp_rank, self.tp_size)))
         elif effect is REffect.ABORT_READ:
