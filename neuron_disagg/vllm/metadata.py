@@ -15,9 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 
 
-@dataclass
-class Registration:
-    """D: our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index``..."""
+@dataclass(frozen=True)
+class AllocatedBlocks:
+    """D: our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index`` onwards of
+    ``request_id``'s transfer (the worker turns it into a protocol ``Registration`` or a read)."""
 
     transfer_id: TransferId
     request_id: str
@@ -25,20 +26,61 @@ class Registration:
     first_block_index: int
 
 
+@dataclass(frozen=True)
+class Expect:
+    """D, push: a decode leg seen for the first time; the worker heartbeats P from now on."""
+
+    transfer_id: TransferId
+    p_side_channel: str
+    p_tp_size: int
+
+
+@dataclass(frozen=True)
+class KvReady:
+    """P, push: the prefill finished; the writer may write these blocks."""
+
+    transfer_id: TransferId
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Lend:
+    """P, pull: the prefill finished and its blocks are offered."""
+
+    transfer_id: TransferId
+    request_id: str
+    offer: PullOffer
+
+
+@dataclass(frozen=True)
+class ReadOffer:
+    """D, pull: read P's offer into the allocated blocks; ``offers`` are the signed offers the router
+    carried, one per prompt of the HTTP request (the worker takes this transfer's)."""
+
+    allocated: AllocatedBlocks
+    offers: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Either side: the request ended before its transfer did."""
+
+    transfer_id: TransferId
+    role: str
+    reason: str
+
+
 @dataclass
 class StepMetadata(KVConnectorMetadata):
-    # D, push: decode legs seen for the first time -> (transfer id, P side channel, P TP size)
-    expect: list[tuple[TransferId, str, int]] = field(default_factory=list)
-    register: list[Registration] = field(default_factory=list)
-    # P, push: prefill finished -> (transfer id, request id, the prompt's blocks)
-    kv_ready: list[tuple[TransferId, str, tuple[int, ...]]] = field(default_factory=list)
-    # P, pull: prefill finished and its blocks are offered -> (transfer id, request id, the offer)
-    lend: list[tuple[TransferId, str, PullOffer]] = field(default_factory=list)
-    # D, pull: blocks allocated; read P's offer into them -> (what was allocated, the signed offers
-    # the router carried: one per prompt of the HTTP request, the worker takes this transfer's)
-    read: list[tuple[Registration, tuple[bytes, ...]]] = field(default_factory=list)
-    # either side: the request ended early -> (transfer id, role, reason)
-    abort: list[tuple[TransferId, str, str]] = field(default_factory=list)
+    """One engine step's new work for the transfer threads, in the order the worker hands it over."""
+
+    expect: list[Expect] = field(default_factory=list)
+    register: list[AllocatedBlocks] = field(default_factory=list)
+    kv_ready: list[KvReady] = field(default_factory=list)
+    lend: list[Lend] = field(default_factory=list)
+    read: list[ReadOffer] = field(default_factory=list)
+    abort: list[Abort] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.register or self.kv_ready or self.lend or self.read or self.abort)

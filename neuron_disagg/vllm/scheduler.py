@@ -20,6 +20,7 @@ import enum
 import hashlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from ..timeline import OFF, Timeline
 
 from . import compat
 from .. import kv_params as leg_params
-from .metadata import Registration, StepMetadata
+from .metadata import Abort, AllocatedBlocks, Expect, KvReady, Lend, ReadOffer, StepMetadata
 
 log = logging.getLogger(__name__)
 
@@ -56,30 +57,71 @@ def transfer_key(transfer_id: TransferId, prompt_token_ids) -> TransferId:
     return TransferId(f"{transfer_id.request}/{digest}", transfer_id.attempt)
 
 
-class LegState(enum.Enum):
-    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # D: known, no blocks allocated yet
-    FOLLOWING = "following"                    # D: a sibling loads this prompt's KV; then reuse it
-    LOADING = "loading"                        # D: blocks registered with P; KV on its way
-    ABORTING = "aborting"                      # D: aborted while loading; blocks fenced by the worker
-    LOADED = "loaded"                          # D: KV arrived; decoding
-    FAILED = "failed"                          # D: no KV; vLLM's kv_load_failure_policy applies
-    PREFILLING = "prefilling"                  # P
-    HANDED_OFF = "handed_off"                  # P: blocks held until the writer is done with them
+class DecodeState(enum.Enum):
+    NEW = "new"                                # created by vLLM's first question, answered at once
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"  # the worker expects the transfer (push: heartbeats P)
+    FOLLOWING = "following"                    # a sibling loads this prompt's KV; then reuse it
+    LOADING = "loading"                        # blocks registered with P (push) or being read (pull)
+    ABORTING = "aborting"                      # ended while loading; the worker fences the blocks
+    LOADED = "loaded"                          # KV arrived; decoding
+    FAILED = "failed"                          # no KV; vLLM's kv_load_failure_policy applies
+
+
+class PrefillState(enum.Enum):
+    PREFILLING = "prefilling"
+    HANDED_OFF = "handed_off"                  # blocks held until the writer or lender is done
+
+
+class LegEvent(enum.Enum):
+    ASKED = "asked"                    # D: vLLM asked how much of the prompt comes from outside
+    ALLOCATED = "allocated"            # D: vLLM allocated the blocks the KV goes into
+    LOADED = "loaded"                  # D: the worker finished receiving
+    LOAD_FAILED = "load_failed"        # D: the worker finished receiving, without the KV
+    OWNER_DONE = "owner_done"          # D: the sibling that loads this prompt is done with it
+    HANDED_OFF = "handed_off"          # P: prefill finished; blocks go to the writer or lender
+    SIBLING_HANDED_OFF = "sibling"     # P: another engine request handed this prompt's KV over
+    SENT = "sent"                      # P: the worker released the blocks
+    ENDED = "ended"                    # either: vLLM finished the request (done, aborted, error)
+
+
+END = None  # the leg is forgotten
+_D, _P, _E = DecodeState, PrefillState, LegEvent
+#: D's every transition. A pair missing here is a bug, logged and counted, never raised on the engine loop.
+DECODE_TABLE: dict[tuple[DecodeState, LegEvent], DecodeState | None] = {
+    (_D.NEW, _E.ASKED): _D.WAITING_FOR_BLOCKS,        # in the call that created the leg
+    (_D.WAITING_FOR_BLOCKS, _E.ALLOCATED): _D.LOADING,
+    (_D.WAITING_FOR_BLOCKS, _E.ENDED): END,            # tells the worker to stop expecting it
+    (_D.FOLLOWING, _E.OWNER_DONE): END,                # computes from the prefix cache the KV filled
+    (_D.FOLLOWING, _E.ENDED): END,
+    (_D.LOADING, _E.LOADED): _D.LOADED,
+    (_D.LOADING, _E.LOAD_FAILED): _D.FAILED,
+    (_D.LOADING, _E.ENDED): _D.ABORTING,               # vLLM holds the blocks until the worker reports
+    (_D.ABORTING, _E.LOADED): END,
+    (_D.ABORTING, _E.LOAD_FAILED): END,
+    (_D.LOADED, _E.ENDED): END,
+    (_D.FAILED, _E.ENDED): END,
+}
+#: P's every transition.
+PREFILL_TABLE: dict[tuple[PrefillState, LegEvent], PrefillState | None] = {
+    (_P.PREFILLING, _E.HANDED_OFF): _P.HANDED_OFF,
+    (_P.PREFILLING, _E.SIBLING_HANDED_OFF): END,       # freed at once; the sibling's KV is the one sent
+    (_P.PREFILLING, _E.ENDED): END,                    # aborted, failed, or nothing to send
+    (_P.HANDED_OFF, _E.SENT): END,
+}
+#: States in which a leg holds blocks for its transfer (the held-blocks gauge).
+HOLDING = frozenset({_D.LOADING, _D.ABORTING, _P.HANDED_OFF})
 
 
 @dataclass
 class Leg:
+    """One engine request of a disaggregated HTTP request, on one side."""
+
     request_id: str
     params: leg_params.LegParams
     key: TransferId  # this engine request's transfer (``transfer_key``)
-    state: LegState
+    state: DecodeState | PrefillState
     local_hit_tokens: int = 0
-    announced: bool = False  # D: the worker has been told to expect this transfer
     block_ids: tuple[int, ...] = ()  # the blocks held for the transfer (D: registered, P: handed over)
-
-
-#: States in which a leg holds blocks for its transfer (the held-blocks gauge).
-HOLDING = frozenset({LegState.LOADING, LegState.ABORTING, LegState.HANDED_OFF})
 
 
 class SchedulerSide:
@@ -93,6 +135,7 @@ class SchedulerSide:
         self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
         self.rejected = 0  # requests whose kv_transfer_params we could not honour (not yet reported)
+        self.unexpected: Counter[str] = Counter()  # transitions missing from the tables (bugs)
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
 
@@ -113,11 +156,11 @@ class SchedulerSide:
                             request.request_id)
                 return None
             key = transfer_key(parsed.transfer_id, request.prompt_token_ids)
-            state = LegState.PREFILLING if parsed.role == "prefill" else LegState.WAITING_FOR_BLOCKS
+            state: DecodeState | PrefillState = _P.PREFILLING if parsed.role == "prefill" else _D.NEW
             if parsed.role == "decode" and self.owner.get(key) in self.legs:
-                state = LegState.FOLLOWING  # a sibling has (or is getting) this prompt's KV
+                state = _D.FOLLOWING  # a sibling has (or is getting) this prompt's KV
             leg = self.legs[request.request_id] = Leg(request.request_id, parsed, key, state)
-            if state is LegState.WAITING_FOR_BLOCKS:
+            if state is _D.NEW:
                 self.owner[key] = request.request_id
             arrived = getattr(request, "arrival_time", None)
             if arrived is not None:
@@ -127,11 +170,24 @@ class SchedulerSide:
     def _busy(self, request_id: str | None) -> bool:
         """D: that leg is still getting its KV (a sibling must wait for it)."""
         leg = self.legs.get(request_id) if request_id is not None else None
-        return leg is not None and leg.state in (LegState.WAITING_FOR_BLOCKS, LegState.LOADING)
+        return leg is not None and leg.state in (_D.NEW, _D.WAITING_FOR_BLOCKS, _D.LOADING)
 
-    def _move(self, leg: Leg, state: LegState) -> None:
-        self._held_changed |= (leg.state in HOLDING) != (state in HOLDING)
-        leg.state = state
+    def _fire(self, leg: Leg, event: LegEvent) -> bool:
+        """Moves ``leg`` as its side's table says; False (logged, counted) for a pair not in it."""
+        table: dict = PREFILL_TABLE if isinstance(leg.state, PrefillState) else DECODE_TABLE
+        key = (leg.state, event)
+        if key not in table:
+            self.unexpected[f"{leg.state.value}:{event.value}"] += 1
+            log.error("request %s: no transition from %s on %s (a bug; the leg is left as it is)",
+                      leg.request_id, leg.state.value, event.value)
+            return False
+        state = table[key]
+        if state is END:
+            self._forget(leg)
+        else:
+            self._held_changed |= (leg.state in HOLDING) != (state in HOLDING)
+            leg.state = state
+        return True
 
     def _forget(self, leg: Leg) -> None:
         del self.legs[leg.request_id]
@@ -146,35 +202,36 @@ class SchedulerSide:
         a request that loads the same prompt waits (None: ask again next step), then computes from
         the local prefix cache the loaded KV filled."""
         leg = self._leg(request)
-        if leg is not None and leg.state is LegState.FOLLOWING:
+        if leg is not None and leg.state is _D.FOLLOWING:
             if self._busy(self.owner.get(leg.key)):
                 return None, False
-            self._forget(leg)
+            self._fire(leg, _E.OWNER_DONE)
             return 0, False
-        if leg is None or leg.params.role != "decode" or leg.state is not LegState.WAITING_FOR_BLOCKS:
-            return 0, False  # not ours, or a retry after a failed load: compute locally
-        if not leg.announced and leg.params.mode == "push":  # the worker heartbeats P from now on
-            self._step.expect.append((leg.key, leg.params.p_side_channel, leg.params.p_tp_size))
-            leg.announced = True
+        if leg is None or leg.params.role != "decode" or leg.state not in (_D.NEW, _D.WAITING_FOR_BLOCKS):
+            return 0, False  # not ours, or loaded (a preempted request) or failed: compute locally
+        if leg.state is _D.NEW:
+            self._fire(leg, _E.ASKED)
+            if leg.params.mode == "push":  # the worker heartbeats P from now on
+                self._step.expect.append(Expect(leg.key, leg.params.p_side_channel, leg.params.p_tp_size))
         leg.local_hit_tokens = num_computed_tokens
         return len(request.prompt_token_ids) - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         leg = self.legs.get(request.request_id)
-        if leg is not None and leg.state is LegState.PREFILLING:
+        if leg is not None and leg.state is _P.PREFILLING:
             self.timeline.mark(leg.key, "p_scheduled")
-        if leg is None or num_external_tokens == 0 or leg.state is not LegState.WAITING_FOR_BLOCKS:
+        if leg is None or num_external_tokens == 0 or leg.state is not _D.WAITING_FOR_BLOCKS:
             return
         first = leg.local_hit_tokens // self.block_size
         prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
-        registration = Registration(leg.key, request.request_id, block_ids, first)
+        allocated = AllocatedBlocks(leg.key, request.request_id, block_ids, first)
         leg.block_ids = block_ids
         if leg.params.mode == "push":
-            self._step.register.append(registration)
+            self._step.register.append(allocated)
         else:  # the worker picks the offer for this prompt's transfer
-            self._step.read.append((registration, tuple(base64.b64decode(o) for o in leg.params.offers)))
-        self._move(leg, LegState.LOADING)
+            self._step.read.append(ReadOffer(allocated, tuple(base64.b64decode(o) for o in leg.params.offers)))
+        self._fire(leg, _E.ALLOCATED)
         self.timeline.mark(leg.key, "d_allocated")
 
     # -- both ------------------------------------------------------------------------------------------
@@ -182,42 +239,43 @@ class SchedulerSide:
         leg = self.legs.get(request.request_id)
         if leg is None:
             return False, None
-        tid, status = leg.key, str(getattr(request, "status", ""))
         if leg.params.role == "prefill":
-            # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
-            # the prompt's KV is in the first blocks either way.
-            block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
-            finished = "ABORTED" not in status and "ERROR" not in status and bool(block_ids)
-            if finished and self.owner.get(tid, request.request_id) != request.request_id:
-                answer = self.offered.get(tid)  # a sibling handed this prompt's KV over already
-                self._forget(leg)
-                return False, answer
-            if finished:
-                leg.block_ids = tuple(block_ids)
-                self._move(leg, LegState.HANDED_OFF)
-                self.owner[tid] = request.request_id
-                self.timeline.mark(tid, "p_kv_ready")
-                if leg.params.mode == "push":
-                    self._step.kv_ready.append((tid, request.request_id, tuple(block_ids)))
-                    return True, None  # the writer frees them; we hear of it in finished_sending
-                if self.offers is not None:
-                    offer, frame = self.offers.offer(tid, tuple(block_ids))
-                    self._step.lend.append((tid, request.request_id, offer))
-                    self.offered[tid] = leg_params.prefill_answer(base64.b64encode(frame).decode())
-                    return True, self.offered[tid]
-                log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
-            self._step.abort.append((tid, "prefill", f"prefill request ended: {status}"))
-            self._forget(leg)
-            return False, None
-        if leg.state is LegState.LOADING:
+            return self._prefill_finished(leg, request, block_ids)
+        if leg.state is _D.LOADING:
             # vLLM holds the blocks until our worker reports this request finished receiving,
             # which it does only once P confirmed or the fence passed (I2).
-            self._step.abort.append((tid, "decode", "decode request aborted"))
-            self._move(leg, LegState.ABORTING)
-            return False, None
-        if leg.state is LegState.WAITING_FOR_BLOCKS:
-            self._step.abort.append((tid, "decode", "decode request aborted before it had blocks"))
-        self._forget(leg)
+            self._step.abort.append(Abort(leg.key, "decode", "decode request aborted"))
+        elif leg.state is _D.WAITING_FOR_BLOCKS:
+            self._step.abort.append(Abort(leg.key, "decode", "decode request aborted before it had blocks"))
+        self._fire(leg, _E.ENDED)
+        return False, None
+
+    def _prefill_finished(self, leg: Leg, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tid, status = leg.key, str(getattr(request, "status", ""))
+        # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
+        # the prompt's KV is in the first blocks either way.
+        block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
+        finished = "ABORTED" not in status and "ERROR" not in status and bool(block_ids)
+        if finished and self.owner.get(tid, request.request_id) != request.request_id:
+            answer = self.offered.get(tid)  # a sibling handed this prompt's KV over already
+            self._fire(leg, _E.SIBLING_HANDED_OFF)
+            return False, answer
+        if finished and (leg.params.mode == "push" or self.offers is not None):
+            leg.block_ids = tuple(block_ids)
+            self._fire(leg, _E.HANDED_OFF)
+            self.owner[tid] = request.request_id
+            self.timeline.mark(tid, "p_kv_ready")
+            if leg.params.mode == "push":
+                self._step.kv_ready.append(KvReady(tid, request.request_id, leg.block_ids))
+                return True, None  # the writer frees them; we hear of it in finished_sending
+            offer, frame = self.offers.offer(tid, leg.block_ids)
+            self._step.lend.append(Lend(tid, request.request_id, offer))
+            self.offered[tid] = leg_params.prefill_answer(base64.b64encode(frame).decode())
+            return True, self.offered[tid]
+        if finished:
+            log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
+        self._step.abort.append(Abort(tid, "prefill", f"prefill request ended: {status}"))
+        self._fire(leg, _E.ENDED)
         return False, None
 
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
@@ -226,25 +284,21 @@ class SchedulerSide:
 
     def update_connector_output(self, output) -> None:
         failed = compat.failed_loads(output, {leg.request_id: leg.block_ids for leg in self.legs.values()
-                                              if leg.state is LegState.LOADING})
+                                              if leg.state is _D.LOADING})
         for request_id in output.finished_recving or ():
             leg = self.legs.get(request_id)
-            if leg is None:
-                continue
-            if leg.state is LegState.ABORTING:
-                self._forget(leg)
-            else:
-                self._move(leg, LegState.FAILED if request_id in failed else LegState.LOADED)
-                if leg.state is LegState.LOADED:
+            if leg is not None:
+                self._fire(leg, _E.LOAD_FAILED if request_id in failed else _E.LOADED)
+                if leg.state is _D.LOADED:
                     self.timeline.mark(leg.key, "d_loaded")
         for request_id in output.finished_sending or ():
             leg = self.legs.get(request_id)
-            if leg is not None and leg.state is LegState.HANDED_OFF:
-                self._forget(leg)
+            if leg is not None:
+                self._fire(leg, _E.SENT)
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while a P request's blocks wait for the writer."""
-        return any(leg.state is LegState.HANDED_OFF for leg in self.legs.values())
+        return any(leg.state is _P.HANDED_OFF for leg in self.legs.values())
 
     def stats(self) -> dict[str, Any] | None:
         """Since the last call: the blocks held for transfers now (P: handed to the writer; D:

@@ -41,6 +41,29 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2] if ordered else 0.0
 
 
+class Deltas:
+    """A worker's counters are cumulative; vLLM adds up what each step reports. This turns the
+    totals into what changed since the previous snapshot, in the payload above."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._failures: Counter[str] = Counter()
+        self._writes = 0
+
+    def payload(self, totals: Counter, failures: Counter, write_seconds: list[float], step_us: list[float],
+                failed_requests: dict[str, str], recompute: bool) -> dict[str, Any] | None:
+        """None when nothing changed. ``recompute``: D under kv_load_failure_policy recompute, where
+        every failed load went back to vLLM to compute (counted as recomputed, by reason)."""
+        counts = {k: v - self._counts[k] for k, v in totals.items() if v - self._counts[k]}
+        new_failures = {k: v - self._failures[k] for k, v in failures.items() if v - self._failures[k]}
+        write_ms = [s * 1e3 for s in write_seconds[self._writes:]]
+        self._counts, self._failures, self._writes = Counter(totals), Counter(failures), len(write_seconds)
+        if not (counts or new_failures or write_ms or step_us or failed_requests):
+            return None
+        return {"counts": counts, "failures": new_failures, "recomputed": new_failures if recompute else {},
+                "write_ms": write_ms, "step_us": step_us, "failed_requests": failed_requests}
+
+
 class ConnectorStats(KVConnectorStats):
     def __init__(self, data: dict[str, Any] | None = None):
         super().__init__(data=data or empty())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass
 
 from ..config import Config
 from ..platforms import select_platform
@@ -35,8 +36,18 @@ from ..transfer.transport import NixlTransport, region_spans
 from ..transfer.writer import PushWriter
 from .failures import router_transfer_id
 from .metadata import RankHandshake, StepMetadata
+from .stats import Deltas
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferRecord:
+    """One transfer the threads hold for vLLM request ``request_id``, until it is reported to vLLM."""
+
+    request_id: str
+    failure: str | None = None           # D: why the KV will not come
+    released_blocks: tuple[int, ...] = ()
 
 
 PULL_NEEDS_REGISTERED_KV = "pull reads device memory directly, and this instance stages KV through host memory"
@@ -58,20 +69,15 @@ class WorkerSide:
         self.thread: PushWriter | PushReceiver | None = None
         self.staging: HostStaging | None = None
         self.pull: PullLender | PullReader | None = None
-        self._lock = threading.Lock()
-        self._request_of: dict[TransferId, str] = {}
-        self._freed: set[str] = set()
-        self._loaded: set[str] = set()
-        self._failed: set[str] = set()
-        self._failed_blocks: dict[str, tuple[int, ...]] = {}  # failed loads -> the blocks vLLM gave them
+        self._lock = threading.Lock()  # the threads' callbacks against the engine loop's reads
+        self._transfers: dict[TransferId, TransferRecord] = {}  # in the transfer threads' hands
+        self._ended: list[TransferRecord] = []       # ended; not yet reported to vLLM
+        self._finished_by_vllm: set[str] = set()     # P: ours vLLM listed finished (it takes only those)
         self.failed_blocks: set[int] = set()  # of the loads the last transfer_results reported failed
-        self._seen_finished: set[str] = set()
         self._totals: Counter[str] = Counter()       # D-side outcomes, for metrics
         self._failure_reasons: Counter[str] = Counter()
         self._told: dict[str, str] = {}  # D, policy fail: router transfer id -> why, for the client's error
-        self._reported: Counter[str] = Counter()     # what earlier stats snapshots already sent
-        self._reported_failures: Counter[str] = Counter()
-        self._writes_reported = 0
+        self._deltas = Deltas()                      # what earlier stats snapshots already sent
         self.step_us: list[float] = []               # connector time on the engine loop, per step
 
     # -- start-up ----------------------------------------------------------------------------------------
@@ -167,42 +173,44 @@ class WorkerSide:
         # One fence per step, recorded on the engine thread (never waited on here): the threads wait
         # on it before reading finished KV or letting anything land in freshly allocated blocks.
         fence = self.platform.wait_for_kv() if (step.kv_ready or step.register or step.read) else None
-        for tid, request_id, blocks in step.kv_ready:
-            self._request_of[tid] = request_id
-            self.thread.kv_ready(tid, blocks, fence)
-        for tid, p_side_channel, p_tp_size in step.expect:
-            self.thread.expect(tid, p_side_channel, p_tp_size)
-        for reg in step.register:
-            self._request_of[reg.transfer_id] = reg.request_id
+        for ready in step.kv_ready:
+            self._track(ready.transfer_id, ready.request_id)
+            self.thread.kv_ready(ready.transfer_id, ready.block_ids, fence)
+        for expected in step.expect:
+            self.thread.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
+        for alloc in step.register:
+            self._track(alloc.transfer_id, alloc.request_id)
             self.thread.allocated(Registration(
-                reg.transfer_id, self.engine_id, reg.request_id, self.address, self.tp_size,
-                (RankRegions(self.tp_rank, self.agent_name, self.regions),), reg.block_ids,
-                reg.first_block_index, 0.0), fence)
-        for tid, request_id, offer in step.lend:  # our own scheduler's offer: no need to verify it
-            self._request_of[tid] = request_id
+                alloc.transfer_id, self.engine_id, alloc.request_id, self.address, self.tp_size,
+                (RankRegions(self.tp_rank, self.agent_name, self.regions),), alloc.block_ids,
+                alloc.first_block_index, 0.0), fence)
+        for lend in step.lend:  # our own scheduler's offer: no need to verify it
+            self._track(lend.transfer_id, lend.request_id)
             if self.staging:  # D's read fails with the reason below; the blocks go back now
-                self._on_free(tid, offer.block_ids)
+                self._on_free(lend.transfer_id, lend.offer.block_ids)
                 continue
-            self.pull.lend(offer)
-        for reg, frames in step.read:
-            self._request_of[reg.transfer_id] = reg.request_id
+            self.pull.lend(lend.offer)
+        for read in step.read:
+            alloc = read.allocated
+            self._track(alloc.transfer_id, alloc.request_id)
             if self.staging:
-                self._on_failed(reg.transfer_id, f"{PULL_NEEDS_REGISTERED_KV}; use push")
-                self._on_free(reg.transfer_id, reg.block_ids)
+                self._on_failed(alloc.transfer_id, f"{PULL_NEEDS_REGISTERED_KV}; use push")
+                self._on_free(alloc.transfer_id, alloc.block_ids)
                 continue
             try:
-                offer = self._offer_for(reg.transfer_id, frames)
+                offer = self._offer_for(alloc.transfer_id, read.offers)
             except MessageError as exc:  # the request fails now instead of waiting for nothing
-                log.warning("request %s: prefill's offer rejected: %s", reg.request_id, exc)
+                log.warning("request %s: prefill's offer rejected: %s", alloc.request_id, exc)
                 self._totals["messages_rejected"] += 1
-                self._on_failed(reg.transfer_id, f"offer rejected: {exc}")
-                self._on_free(reg.transfer_id, reg.block_ids)
+                self._on_failed(alloc.transfer_id, f"offer rejected: {exc}")
+                self._on_free(alloc.transfer_id, alloc.block_ids)
                 continue
             self.pull.offered(offer)
-            self.pull.allocated(reg.transfer_id, self.rank_regions, reg.block_ids, reg.first_block_index, fence)
-        for tid, _role, reason in step.abort:
-            self.thread.abort(tid, reason)
-            self.pull.abort(tid, reason)
+            self.pull.allocated(alloc.transfer_id, self.rank_regions, alloc.block_ids, alloc.first_block_index,
+                                fence)
+        for abort in step.abort:
+            self.thread.abort(abort.transfer_id, abort.reason)
+            self.pull.abort(abort.transfer_id, abort.reason)
 
     def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
         """The verified offer, among the ones the router carried, for this prompt's transfer."""
@@ -212,52 +220,57 @@ class WorkerSide:
                 return offer
         raise MessageError(f"none of the {len(frames)} offers is for this prompt's transfer {transfer_id}")
 
+    def _track(self, tid: TransferId, request_id: str) -> None:
+        """Before the threads hear of a transfer, so that their callbacks find its record."""
+        with self._lock:
+            self._transfers[tid] = TransferRecord(request_id)
+
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call; the failed
         loads' blocks are in ``failed_blocks`` until the next call (vLLM < 0.32 takes those)."""
         with self._lock:
-            self._seen_finished |= finished_req_ids
             if self.role == "prefill":
                 # vLLM accepts only ids it has already listed as finished on this worker.
-                sending = self._freed & self._seen_finished
-                self._freed -= sending
-                self._seen_finished -= sending
+                ours = {r.request_id for r in self._transfers.values()} | {r.request_id for r in self._ended}
+                self._finished_by_vllm |= finished_req_ids & ours
+                sent = [r for r in self._ended if r.request_id in self._finished_by_vllm]
+                self._ended = [r for r in self._ended if r.request_id not in self._finished_by_vllm]
+                sending = {r.request_id for r in sent}
+                self._finished_by_vllm -= sending
                 return sending, set(), set()
-            recving = self._loaded | self._freed
-            failed = self._failed & recving
-            self._loaded, self._freed, self._failed = set(), set(), self._failed - failed
-            self.failed_blocks = {b for request_id in failed for b in self._failed_blocks.pop(request_id, ())}
-            return set(), recving, failed
+            ended, self._ended = self._ended, []
+            failed = [r for r in ended if r.failure is not None]
+            self.failed_blocks = {b for r in failed for b in r.released_blocks}
+            return set(), {r.request_id for r in ended}, {r.request_id for r in failed}
 
     # -- transfer threads' callbacks (any thread) ------------------------------------------------------
-    def _request(self, tid: TransferId) -> str | None:
-        return self._request_of.pop(tid, None)
-
     def _on_free(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
-        request_id = self._request(tid)
-        if request_id is not None:
-            with self._lock:
-                self._freed.add(request_id)
-                if request_id in self._failed:  # a failed load: vLLM < 0.32 learns of it by these
-                    self._failed_blocks[request_id] = tuple(blocks)
+        """The threads are done with the transfer's blocks (P: sent or given up; D: fenced)."""
+        with self._lock:
+            record = self._transfers.pop(tid, None)
+            if record is not None:
+                record.released_blocks = tuple(blocks)  # a failed load: vLLM < 0.32 learns of it by these
+                self._ended.append(record)
 
     def _on_loaded(self, tid: TransferId) -> None:
         self._totals["transfers"] += 1
-        request_id = self._request(tid)
-        if request_id is not None:
-            with self._lock:
-                self._loaded.add(request_id)
+        with self._lock:
+            record = self._transfers.pop(tid, None)
+            if record is not None:
+                self._ended.append(record)
 
     def _on_failed(self, tid: TransferId, reason: str) -> None:
+        """D: the KV will not come; FreeBlocks follows and ends the transfer."""
         self._totals["transfers_failed"] += 1
         self._failure_reasons[reason.split(":")[0]] += 1
-        request_id = self._request_of.get(tid)  # FreeBlocks follows and ends the mapping
-        if request_id is not None:
-            log.warning("request %s (transfer %s) gets no KV: %s", request_id, tid, reason)
-            with self._lock:
-                self._failed.add(request_id)
-                if not self.recompute:  # the request fails: its client learns why (failures.py)
-                    self._told[router_transfer_id(tid)] = reason
+        with self._lock:
+            record = self._transfers.get(tid)
+            if record is None:
+                return
+            record.failure = reason
+            if not self.recompute:  # the request fails: its client learns why (failures.py)
+                self._told[router_transfer_id(tid)] = reason
+        log.warning("request %s (transfer %s) gets no KV: %s", record.request_id, tid, reason)
 
     # -- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> dict | None:
@@ -269,7 +282,7 @@ class WorkerSide:
         totals["messages_rejected"] += sum(self.server.rejected.values()) + sum(
             getattr(self.thread, "rejected", {}).values())
         totals["registrations_rejected"] = self.thread.core.counters["registration_rejected"]
-        write_ms: list[float] = []
+        write_seconds: list[float] = []
         for initiator in (self.thread, self.pull):  # P's writer, D's reader: whoever posts transfers
             if isinstance(initiator, (PushWriter, PullReader)):
                 for name in ("bytes", "descriptors", "agent_resets"):
@@ -280,21 +293,12 @@ class WorkerSide:
             totals["registrations_rejected"] += t["registration_rejected"]
             failures = Counter(self.thread.failures)
             totals["lease_expiries"] = failures["lease expired"]
-            done = self.thread.writes.done_seconds
-            write_ms = [s * 1e3 for s in done[self._writes_reported:]]
-            self._writes_reported = len(done)
-        counts = {k: v - self._reported[k] for k, v in totals.items() if v - self._reported[k]}
-        new_failures = {k: v - self._reported_failures[k] for k, v in failures.items() if v - self._reported_failures[k]}
-        self._reported, self._reported_failures = totals, failures
+            write_seconds = self.thread.writes.done_seconds
         step_us, self.step_us = self.step_us, []
         with self._lock:
             told, self._told = self._told, {}
-        if not (counts or new_failures or write_ms or step_us or told):
-            return None
-        # D under the recompute policy: every load that failed went back to vLLM to compute.
-        recomputed = new_failures if self.role == "decode" and self.recompute else {}
-        return {"counts": counts, "failures": new_failures, "recomputed": recomputed, "write_ms": write_ms,
-                "step_us": step_us, "failed_requests": told}
+        return self._deltas.payload(totals, failures, write_seconds, step_us, told,
+                                    recompute=self.role == "decode" and self.recompute)
 
     def handshake(self) -> RankHandshake:
         return RankHandshake(self.rank_regions)

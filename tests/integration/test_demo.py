@@ -26,8 +26,8 @@ def hand_off(self, step):
     blocks = self.__dict__.setdefault("_test_blocks", {})
     for reg in step.register:
         blocks[reg.transfer_id] = reg.block_ids
-    for reg, _frames in step.read:
-        blocks[reg.transfer_id] = reg.block_ids
+    for read in step.read:
+        blocks[read.allocated.transfer_id] = read.allocated.block_ids
     return _hand_off(self, step)
 
 

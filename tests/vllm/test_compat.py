@@ -15,7 +15,7 @@ from neuron_disagg.platforms.kv_layout import BLOCKS, HEAD, HEADS, KV, TOKENS  #
 from neuron_disagg.vllm import compat  # noqa: E402
 from neuron_disagg.vllm.connector import NeuronDisaggConnector, _refuse_hybrid_kv_cache  # noqa: E402
 from neuron_disagg.vllm.neuron_plugin import UnsupportedNeuronPlugin, refuse_unsupported_platform  # noqa: E402
-from neuron_disagg.vllm.scheduler import LegState, SchedulerSide  # noqa: E402
+from neuron_disagg.vllm.scheduler import DecodeState, SchedulerSide  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 
 VERSION = compat.parse(vllm.__version__)
@@ -97,7 +97,7 @@ def test_scheduler_side_fails_a_load_from_invalid_blocks_on_older_vllm(monkeypat
     side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([5, 6, 9],)), 40)
     side.update_connector_output(SimpleNamespace(finished_recving={"d1"}, finished_sending=set(),
                                                  invalid_block_ids={6}))
-    assert side.legs["d1"].state is LegState.FAILED
+    assert side.legs["d1"].state is DecodeState.FAILED
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)  # vLLM recomputes or fails it
 
 
@@ -111,7 +111,7 @@ def test_prefill_hands_the_writer_only_the_prompts_blocks():
     side.get_num_new_matched_tokens(request, 0)
     assert side.request_finished(request, [11, 12, 13, 14]) == (True, None)
     (ready,) = side.build_connector_meta(None).kv_ready
-    assert ready[2] == (11, 12, 13)
+    assert ready.block_ids == (11, 12, 13)
 
 
 def test_the_nxdi_neuron_plugin_is_refused_naming_the_supported_one():

@@ -9,7 +9,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from neuron_disagg.vllm.scheduler import LegState, SchedulerSide, transfer_key  # noqa: E402
+from neuron_disagg.vllm.scheduler import (  # noqa: E402
+    DECODE_TABLE, END, PREFILL_TABLE, DecodeState, LegEvent, PrefillState, SchedulerSide, transfer_key,
+)
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.protocol import TransferId  # noqa: E402
 
@@ -49,7 +51,7 @@ def test_each_prompt_of_a_request_is_its_own_transfer_named_alike_on_p_and_d():
     d = SchedulerSide(BLOCK, SIGNER)
     for rid, tokens in (("0", A), ("1", B)):
         assert d.get_num_new_matched_tokens(request(rid, tokens, PUSH_D), 0) == (len(tokens), True)
-    assert [e[0] for e in d.build_connector_meta(None).expect] == [key_a, key_b]
+    assert [e.transfer_id for e in d.build_connector_meta(None).expect] == [key_a, key_b]
 
 
 def test_samples_of_one_prompt_wait_for_the_first_then_compute_from_the_prefix_cache():
@@ -57,7 +59,7 @@ def test_samples_of_one_prompt_wait_for_the_first_then_compute_from_the_prefix_c
     first, second = request("0_r", A, PUSH_D), request("1_r", A, PUSH_D)
     assert d.get_num_new_matched_tokens(first, 0) == (40, True)
     assert d.get_num_new_matched_tokens(second, 0) == (None, False)  # ask again next step
-    assert d.legs["1_r"].state is LegState.FOLLOWING
+    assert d.legs["1_r"].state is DecodeState.FOLLOWING
     d.update_state_after_alloc(first, blocks(5, 6, 7), 40)
     (registration,) = d.build_connector_meta(None).register
     assert registration.request_id == "0_r"  # one registration for the prompt
@@ -86,7 +88,7 @@ def test_prefill_hands_one_siblings_blocks_over_and_frees_the_others():
     assert p.request_finished(first, [3, 4, 5]) == (True, None)
     assert p.request_finished(second, [8, 9, 10]) == (False, None)  # freed at once
     (ready,) = p.build_connector_meta(None).kv_ready
-    assert ready[1:] == ("0_r", (3, 4, 5))
+    assert (ready.request_id, ready.block_ids) == ("0_r", (3, 4, 5))
     assert held(p) == 3
     p.update_connector_output(output(sending={"0_r"}))
     assert held(p) == 0 and not p.legs and not p.owner
@@ -101,7 +103,7 @@ def test_held_blocks_is_reported_when_it_changes():
     d.update_state_after_alloc(r, blocks(5, 6, 7), 40)
     assert held(d) == 3
     d.request_finished(r, [5, 6, 7])  # aborted while loading: held until the worker reports it
-    assert d.legs["0"].state is LegState.ABORTING and held(d) is None
+    assert d.legs["0"].state is DecodeState.ABORTING and held(d) is None
     d.update_connector_output(output(recving={"0"}))
     assert held(d) == 0
 
@@ -114,7 +116,7 @@ def test_a_pull_decode_takes_several_offers():
     assert d.get_num_new_matched_tokens(r, 0) == (40, True)
     d.update_state_after_alloc(r, blocks(5, 6, 7), 40)
     (read,) = d.build_connector_meta(None).read
-    assert read[1] == (b"\0\0\0", b"\1\2\3")
+    assert read.offers == (b"\0\0\0", b"\1\2\3")
 
 
 @pytest.mark.parametrize("failed", [False, True], ids=["loaded", "failed"])
@@ -149,3 +151,106 @@ def test_params_not_signed_by_this_deployment_run_as_plain_requests_and_are_coun
     assert not step.expect and not step.register and not d.legs
     assert d.stats()["counts"] == {"params_rejected": 1}
     assert "counts" not in (d.stats() or {})  # reported once
+
+
+# -- every row of both tables, reached through vLLM's calls only -------------------------------------
+def _d_at(state):
+    """A D scheduler side with request "0" (and "1", a sample of the same prompt) in ``state``."""
+    d = SchedulerSide(BLOCK, SIGNER)
+    first, second = request("0", A, PUSH_D), request("1", A, PUSH_D)
+    d.get_num_new_matched_tokens(first, 0)
+    if state is DecodeState.FOLLOWING:
+        d.get_num_new_matched_tokens(second, 0)
+        return d, second
+    if state is not DecodeState.WAITING_FOR_BLOCKS:
+        d.update_state_after_alloc(first, blocks(5, 6, 7), 40)
+    if state is DecodeState.ABORTING:
+        d.request_finished(first, [5, 6, 7])
+    if state in (DecodeState.LOADED, DecodeState.FAILED):
+        d.update_connector_output(output(recving={"0"}, failed={"0"} if state is DecodeState.FAILED else ()))
+    assert d.legs["0"].state is state
+    return d, first
+
+
+def _p_at(state):
+    p = SchedulerSide(BLOCK, SIGNER)
+    r = request("0", A, PUSH_P, "FINISHED_LENGTH_CAPPED")
+    p.get_num_new_matched_tokens(r, 0)
+    if state is PrefillState.HANDED_OFF:
+        p.request_finished(r, [3, 4, 5])
+    assert p.legs["0"].state is state
+    return p, r
+
+
+def _sibling_done(d, r):
+    d.update_state_after_alloc(request("0", A, PUSH_D), blocks(5, 6, 7), 40)
+    d.update_connector_output(output(recving={"0"}))  # the first one loaded
+    return d.get_num_new_matched_tokens(r, 32)
+
+
+ROWS = {
+    (DecodeState.NEW, LegEvent.ASKED): (lambda: _d_at(DecodeState.WAITING_FOR_BLOCKS), None, DecodeState.WAITING_FOR_BLOCKS),
+    (DecodeState.WAITING_FOR_BLOCKS, LegEvent.ALLOCATED): (lambda: _d_at(DecodeState.LOADING), None, DecodeState.LOADING),
+    (DecodeState.WAITING_FOR_BLOCKS, LegEvent.ENDED): (
+        lambda: _d_at(DecodeState.WAITING_FOR_BLOCKS), lambda d, r: d.request_finished(r, []), END),
+    (DecodeState.FOLLOWING, LegEvent.OWNER_DONE): (lambda: _d_at(DecodeState.FOLLOWING), _sibling_done, END),
+    (DecodeState.FOLLOWING, LegEvent.ENDED): (lambda: _d_at(DecodeState.FOLLOWING), lambda d, r: d.request_finished(r, []), END),
+    (DecodeState.LOADING, LegEvent.LOADED): (lambda: _d_at(DecodeState.LOADED), None, DecodeState.LOADED),
+    (DecodeState.LOADING, LegEvent.LOAD_FAILED): (lambda: _d_at(DecodeState.FAILED), None, DecodeState.FAILED),
+    (DecodeState.LOADING, LegEvent.ENDED): (lambda: _d_at(DecodeState.ABORTING), None, DecodeState.ABORTING),
+    (DecodeState.ABORTING, LegEvent.LOADED): (
+        lambda: _d_at(DecodeState.ABORTING), lambda d, r: d.update_connector_output(output(recving={"0"})), END),
+    (DecodeState.ABORTING, LegEvent.LOAD_FAILED): (
+        lambda: _d_at(DecodeState.ABORTING), lambda d, r: d.update_connector_output(output(recving={"0"}, failed={"0"})), END),
+    (DecodeState.LOADED, LegEvent.ENDED): (lambda: _d_at(DecodeState.LOADED), lambda d, r: d.request_finished(r, [5, 6, 7]), END),
+    (DecodeState.FAILED, LegEvent.ENDED): (lambda: _d_at(DecodeState.FAILED), lambda d, r: d.request_finished(r, [5, 6, 7]), END),
+    (PrefillState.PREFILLING, LegEvent.HANDED_OFF): (lambda: _p_at(PrefillState.HANDED_OFF), None, PrefillState.HANDED_OFF),
+    (PrefillState.PREFILLING, LegEvent.SIBLING_HANDED_OFF): (
+        lambda: _p_at(PrefillState.HANDED_OFF),
+        lambda p, r: p.request_finished(request("1", A, PUSH_P, "FINISHED_LENGTH_CAPPED"), [8, 9, 10]), "1 forgotten"),
+    (PrefillState.PREFILLING, LegEvent.ENDED): (
+        lambda: _p_at(PrefillState.PREFILLING),
+        lambda p, r: p.request_finished(request("0", A, PUSH_P, "FINISHED_ABORTED"), [3, 4, 5]), END),
+    (PrefillState.HANDED_OFF, LegEvent.SENT): (
+        lambda: _p_at(PrefillState.HANDED_OFF), lambda p, r: p.update_connector_output(output(sending={"0"})), END),
+}
+
+
+def test_the_rows_below_are_every_row_of_both_tables():
+    assert set(ROWS) == set(DECODE_TABLE) | set(PREFILL_TABLE)
+
+
+@pytest.mark.parametrize("row", list(ROWS), ids=lambda row: f"{row[0].value}-{row[1].value}")
+def test_each_row_moves_the_leg_as_its_table_says(row):
+    start, act, expected = ROWS[row]
+    side, r = start()
+    if act is not None:
+        if row[1] is LegEvent.SIBLING_HANDED_OFF:
+            side.get_num_new_matched_tokens(request("1", A, PUSH_P), 0)  # the sibling, still prefilling
+        act(side, r)
+    if expected == "1 forgotten":
+        assert "1" not in side.legs and side.legs["0"].state is PrefillState.HANDED_OFF
+    elif expected is END:
+        assert r.request_id not in side.legs
+    else:
+        assert side.legs[r.request_id].state is expected
+        table = PREFILL_TABLE if isinstance(expected, PrefillState) else DECODE_TABLE
+        assert table[row] is expected
+    assert not side.unexpected
+
+
+def test_a_transition_no_table_has_is_counted_and_changes_nothing():
+    d, r = _d_at(DecodeState.LOADED)
+    d.update_connector_output(output(recving={"0"}))  # a second report of the same load
+    assert d.legs["0"].state is DecodeState.LOADED
+    assert d.unexpected == {"loaded:loaded": 1}
+
+
+def test_a_preempted_request_whose_kv_arrived_recomputes_from_its_own_cache_and_asks_nothing_of_p():
+    """vLLM preempts a running request by freeing its blocks and asks the connector again when it
+    reschedules it: the KV that arrived is gone or in the prefix cache, so it computes locally."""
+    d, r = _d_at(DecodeState.LOADED)
+    d.build_connector_meta(None)
+    assert d.get_num_new_matched_tokens(r, 16) == (0, False)
+    assert d.legs["0"].state is DecodeState.LOADED and not d.build_connector_meta(None)
+    assert held(d) in (None, 0)

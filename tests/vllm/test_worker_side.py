@@ -1,0 +1,126 @@
+"""The connector's worker side with stand-ins for its transfer threads: what each step's metadata
+hands them, and what their callbacks (from any thread) turn into for vLLM — loaded, failed with its
+blocks, aborted while loading, sent only once vLLM listed the request finished — plus the stats it
+reports, as changes since the last report."""
+
+from __future__ import annotations
+
+import base64
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+
+from neuron_disagg.config import Config  # noqa: E402
+from neuron_disagg.protocol import PullOffer, RankRegions, Registration, TransferId, WireCodec  # noqa: E402
+from neuron_disagg.vllm.metadata import (  # noqa: E402
+    Abort, AllocatedBlocks, Expect, KvReady, ReadOffer, StepMetadata,
+)
+from neuron_disagg.vllm.worker import WorkerSide  # noqa: E402
+
+SECRET = "worker-side-tests-secret-0123456789"
+TID, RID = TransferId("req.1/abc", 0), "cmpl-req.1-0"
+
+
+class Thread:
+    """Records what the worker side hands a transfer thread."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.core = SimpleNamespace(counters=Counter())
+        self.rejected: Counter = Counter()
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+def worker(monkeypatch, role: str, recompute: bool = True) -> WorkerSide:
+    monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
+    side = WorkerSide(Config(), role, "engine-a", 0, 1, total_heads=4, recompute=recompute)
+    side.thread, side.pull = Thread(), Thread()
+    side.server = SimpleNamespace(rejected=Counter())
+    side.platform = SimpleNamespace(wait_for_kv=lambda: "fence")
+    side.regions, side.rank_regions = (), RankRegions(0, side.agent_name, ())
+    return side
+
+
+def test_decode_registration_goes_to_the_receiver_and_a_load_is_reported_once(monkeypatch):
+    d = worker(monkeypatch, "decode")
+    d.hand_off(StepMetadata(expect=[Expect(TID, "p:5600", 2)], register=[AllocatedBlocks(TID, RID, (5, 6), 1)]))
+    (expect, allocated) = d.thread.calls
+    assert expect == ("expect", TID, "p:5600", 2)
+    registration, fence = allocated[1:]
+    assert isinstance(registration, Registration) and fence == "fence"
+    assert (registration.block_ids, registration.first_block_index, registration.d_request_id) == ((5, 6), 1, RID)
+    assert d.transfer_results(set()) == (set(), set(), set())  # in flight
+    d._on_loaded(TID)
+    assert d.transfer_results(set()) == (set(), {RID}, set())
+    assert d.transfer_results(set()) == (set(), set(), set())
+    d._on_loaded(TID)  # a late duplicate changes nothing
+    assert d.transfer_results(set()) == (set(), set(), set())
+
+
+def test_a_failed_load_is_reported_only_once_its_blocks_are_fenced_and_names_them(monkeypatch):
+    d = worker(monkeypatch, "decode")
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5, 6), 0)]))
+    d._on_failed(TID, "lease expired")
+    assert d.transfer_results(set()) == (set(), set(), set())  # a write may still land: not yet
+    d._on_free(TID, (5, 6))
+    assert d.transfer_results(set()) == (set(), {RID}, {RID})
+    assert d.failed_blocks == {5, 6}  # vLLM < 0.32 learns of the failure by these
+    assert d.transfer_results(set())[1:] == (set(), set()) and d.failed_blocks == set()
+
+
+def test_aborted_while_loading_the_blocks_go_back_once_fenced_and_the_load_is_not_a_failure(monkeypatch):
+    d = worker(monkeypatch, "decode")
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
+    d.hand_off(StepMetadata(abort=[Abort(TID, "decode", "decode request aborted")]))
+    assert ("abort", TID, "decode request aborted") in d.thread.calls
+    assert ("abort", TID, "decode request aborted") in d.pull.calls
+    d._on_free(TID, (5,))
+    assert d.transfer_results(set()) == (set(), {RID}, set())
+
+
+def test_prefill_reports_sent_only_for_requests_vllm_listed_finished_in_either_order(monkeypatch):
+    p = worker(monkeypatch, "prefill")
+    other = TransferId("req.2/def", 0)
+    p.hand_off(StepMetadata(kv_ready=[KvReady(TID, RID, (1, 2)), KvReady(other, "r2", (3,))]))
+    assert [c[0] for c in p.thread.calls] == ["kv_ready", "kv_ready"]
+    p._on_free(TID, (1, 2))                                   # freed before vLLM listed it
+    assert p.transfer_results({"plain-request"}) == (set(), set(), set())
+    assert p.transfer_results({RID}) == ({RID}, set(), set())
+    assert p.transfer_results({"r2"}) == (set(), set(), set())  # listed before freed
+    p._on_free(other, (3,))
+    assert p.transfer_results(set()) == ({"r2"}, set(), set())
+    assert not p._finished_by_vllm  # a plain request's id was never kept
+
+
+def test_a_pull_read_with_no_offer_for_its_transfer_fails_at_once(monkeypatch):
+    d = worker(monkeypatch, "decode")
+    codec = WireCodec(SECRET.encode())
+    wrong = PullOffer(TransferId("req.1/zzz", 0), "p", "p:5600", 1, (), (1,), 1e12, 0.0)
+    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 0), (codec.encode(wrong),))]))
+    assert d.pull.calls == []  # nothing to read
+    assert d.transfer_results(set()) == (set(), {RID}, {RID}) and d.failed_blocks == {7}
+    right = PullOffer(TID, "p", "p:5600", 1, (), (1,), 1e12, 0.0)
+    other = TransferId("req.3/x", 0)
+    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(other, "r3", (8,), 0), (base64.b64decode("AAAA"),))]))
+    assert d.transfer_results(set())[2] == {"r3"}  # an unreadable frame fails the same way
+    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 0), (codec.encode(wrong), codec.encode(right)))]))
+    assert [c[0] for c in d.pull.calls] == ["offered", "allocated"] and d.pull.calls[0][1] == right
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_reason(monkeypatch, recompute):
+    d = worker(monkeypatch, "decode", recompute=recompute)
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
+    d._on_failed(TID, "lease expired")
+    first = d.stats()
+    assert first["counts"] == {"transfers_failed": 1} and first["failures"] == {"lease expired": 1}
+    assert first["recomputed"] == ({"lease expired": 1} if recompute else {})
+    assert first["failed_requests"] == ({} if recompute else {"req.1#0": "lease expired"})
+    assert d.stats() is None  # nothing new
+    d.step_us.append(42.0)
+    assert d.stats()["step_us"] == [42.0]
