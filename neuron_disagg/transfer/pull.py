@@ -18,13 +18,14 @@ import time
 from collections import Counter
 from typing import Callable
 
-from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead, Transitioned
+from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SubmitRead
 from ..protocol.errors import MessageError
 from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from ..protocol.lender import LenderCore
 from ..protocol.reader import ReaderCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
+from .inbox import Abort, Deliver, Lend, Offered, PeerReady, ReadInto
 from .inflight import InFlight, Part
 from .peers import Peers
 from .transport import Transport
@@ -33,25 +34,7 @@ from .worker import TransferThread
 log = logging.getLogger(__name__)
 
 
-class _Reports:
-    """Performs the actions both pull threads share."""
-
-    def _report(self, action) -> bool:
-        if isinstance(action, SendMessage):
-            self.peers.send(action.peer, action.ranks, action.message)
-        elif isinstance(action, FreeBlocks):
-            self.on_free(action.transfer_id, action.block_ids)
-        elif isinstance(action, FailTransfer):
-            log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
-            self.stats["failed"] += 1
-        elif isinstance(action, Transitioned):
-            self._log_transition(action)
-        else:
-            return False
-        return True
-
-
-class PullReader(_Reports, TransferThread):
+class PullReader(TransferThread):
     def __init__(self, core: ReaderCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_loaded: Callable[[TransferId], None], on_failed: Callable[[TransferId, str], None],
                  on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
@@ -59,38 +42,43 @@ class PullReader(_Reports, TransferThread):
         self.core, self.transport, self.codec = core, transport, codec
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.stats: Counter[str] = Counter()
-        self.reads = InFlight(transport, peers, lambda agent, error: self._inbox.put(("peer_ready", agent, error)),
+        self.reads = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
                               self.stats)
+        self._handlers.update({
+            Offered: lambda item, now: self._perform(self.core.offered(item.offer, now)),
+            ReadInto: self._read_into,
+            Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now)),
+            PeerReady: self._peer_ready})
+        self._performers.update({
+            SubmitRead: self._submit, AbortRead: lambda a: self.reads.release(a.transfer_id),
+            FinishLoad: lambda a: self.on_loaded(a.transfer_id),
+            FailTransfer: self._failed,
+            FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids)})
 
     # -- engine side: queue puts only ---------------------------------------------------------------
     def offered(self, offer: PullOffer) -> None:
-        self._inbox.put(("offered", offer))
+        self._inbox.put(Offered(offer))
 
     def allocated(self, transfer_id: TransferId, local: RankRegions, block_ids: tuple[int, ...],
                   first_block_index: int = 0, fence: KVFence | None = None) -> None:
         """Engine: fresh destination blocks; no READ into them before ``fence`` (see PushReceiver)."""
-        self._inbox.put(("allocated", transfer_id, local, tuple(block_ids), first_block_index, fence))
+        self._inbox.put(ReadInto(transfer_id, local, tuple(block_ids), first_block_index, fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
-        self._inbox.put(("abort", transfer_id, reason))
+        self._inbox.put(Abort(transfer_id, reason))
 
     # -- the thread ------------------------------------------------------------------------------------
     def _busy(self) -> bool:
         return bool(self.reads)
 
-    def _handle(self, item: tuple, now: float) -> None:
-        kind = item[0]
-        if kind == "offered":
-            self._perform(self.core.offered(item[1], now))
-        elif kind == "allocated":
-            if item[5] is not None:
-                item[5].wait()
-            self._perform(self.core.allocated(*item[1:5], now))
-        elif kind == "abort":
-            self._perform(self.core.abort(item[1], item[2], now))
-        elif kind == "peer_ready":
-            for tid, reason in self.reads.peer_ready(item[1], item[2]):
-                self._perform(self.core.read_failed(tid, reason, time.time()))
+    def _read_into(self, item: ReadInto, now: float) -> None:
+        if item.fence is not None:
+            item.fence.wait()
+        self._perform(self.core.allocated(item.transfer_id, item.local, item.block_ids, item.first_block_index, now))
+
+    def _peer_ready(self, item: PeerReady, now: float) -> None:
+        for tid, reason in self.reads.peer_ready(item.agent, item.error):
+            self._perform(self.core.read_failed(tid, reason, time.time()))
 
     def _poll(self) -> None:
         done, failed = self.reads.poll()
@@ -108,19 +96,10 @@ class PullReader(_Reports, TransferThread):
             self.reads.release(tid)
             self._perform(self.core.read_failed(tid, "decode reader shut down", time.time()))
 
-    def _perform(self, actions) -> None:
-        for action in actions:
-            if isinstance(action, SubmitRead):
-                self._submit(action)
-            elif isinstance(action, AbortRead):
-                self.reads.release(action.transfer_id)
-            elif isinstance(action, FinishLoad):
-                self.on_loaded(action.transfer_id)
-            elif isinstance(action, FailTransfer):
-                self.on_failed(action.transfer_id, action.reason)
-                self._report(action)
-            elif not self._report(action):
-                raise TypeError(f"unexpected action {action!r}")
+    def _failed(self, action: FailTransfer) -> None:
+        log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
+        self.stats["failed"] += 1
+        self.on_failed(action.transfer_id, action.reason)
 
     def _submit(self, submit: SubmitRead) -> None:
         self.stats["reads"] += 1
@@ -131,14 +110,14 @@ class PullReader(_Reports, TransferThread):
                 submit.transfer_id, self.core.tp_rank, self.core.tp_size, "nothing to read"))
             for event in ("d_read_posted", "d_read_done"):
                 self.timeline.mark(submit.transfer_id, event)
-            return self._perform(self.core.read_done(submit.transfer_id, time.time()))
+            return self._then(lambda: self.core.read_done(submit.transfer_id, time.time()))
         self.timeline.mark(submit.transfer_id, "d_read_posted")  # before: cma copies inside the post
         error = self.reads.submit(submit.transfer_id, "READ", parts, self.codec.encode(submit.notification))
         if error:
-            self._perform(self.core.read_failed(submit.transfer_id, error, time.time()))
+            self._then(lambda: self.core.read_failed(submit.transfer_id, error, time.time()))
 
 
-class PullLender(_Reports, TransferThread):
+class PullLender(TransferThread):
     def __init__(self, core: LenderCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
         super().__init__(f"neuron-disagg-pull-lender-{core.tp_rank}", peers, **intervals)
@@ -146,27 +125,30 @@ class PullLender(_Reports, TransferThread):
         self.on_free = on_free
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self._handlers.update({
+            Lend: lambda item, now: self._perform(self.core.offer(item.offer, now)),
+            Deliver: lambda item, now: self._perform(self.core.confirmed(item.message, now)),
+            Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now))})
+        self._performers.update({
+            FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids),
+            FailTransfer: self._failed})
 
     def lend(self, offer: PullOffer) -> None:
         """Engine: prefill finished and ``offer`` went to the router; hold its blocks."""
-        self._inbox.put(("lend", offer))
+        self._inbox.put(Lend(offer))
 
     def deliver(self, message: ReadFailed) -> None:
-        self._inbox.put(("confirmed", message))
+        self._inbox.put(Deliver(message))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
-        self._inbox.put(("abort", transfer_id, reason))
+        self._inbox.put(Abort(transfer_id, reason))
 
     def _busy(self) -> bool:
         return bool(self.core.live())
 
-    def _handle(self, item: tuple, now: float) -> None:
-        if item[0] == "lend":
-            self._perform(self.core.offer(item[1], now))
-        elif item[0] == "confirmed":
-            self._perform(self.core.confirmed(item[1], now))
-        elif item[0] == "abort":
-            self._perform(self.core.abort(item[1], item[2], now))
+    def _failed(self, action: FailTransfer) -> None:
+        log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
+        self.stats["failed"] += 1
 
     def _poll(self) -> None:
         for sender, frame in self.transport.notifications():
@@ -182,8 +164,3 @@ class PullLender(_Reports, TransferThread):
 
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))
-
-    def _perform(self, actions) -> None:
-        for action in actions:
-            if not self._report(action):
-                raise TypeError(f"unexpected action {action!r}")

@@ -18,12 +18,13 @@ from collections import Counter
 from msgspec.structs import replace
 from typing import Callable
 
-from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, SendMessage, Transitioned
+from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import CancelAck, RankRegions, Registration, TransferId, WriteDone, WriteFailed
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
+from .inbox import Abort, Allocated, Deliver, Expect
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
@@ -43,22 +44,27 @@ class PushReceiver(TransferThread):
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.rejected: Counter[str] = Counter()
         self.staging = staging
+        self._handlers.update({Expect: self._expect, Allocated: self._allocated, Abort: self._abort,
+                               Deliver: lambda item, now: self._verdict(item.message, now)})
+        self._performers.update({FinishLoad: lambda a: self._loaded(a.transfer_id),
+                                 FailTransfer: self._failed,
+                                 FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids)})
 
     # -- called from other threads: queue puts only --------------------------------------------------
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
-        self._inbox.put(("expect", transfer_id, p_side_channel, p_tp_size))
+        self._inbox.put(Expect(transfer_id, p_side_channel, p_tp_size))
 
     def allocated(self, registration: Registration, fence: KVFence | None = None) -> None:
         """Engine: fresh destination blocks. With a ``fence`` (asynchronous accelerators: the engine
         zeroes new blocks on its stream) P hears of them only once it passed, so no write of P's
         lands before the zeroing."""
-        self._inbox.put(("allocated", registration, fence))
+        self._inbox.put(Allocated(registration, fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
-        self._inbox.put(("abort", transfer_id, reason))
+        self._inbox.put(Abort(transfer_id, reason))
 
     def deliver(self, message: WriteDone | WriteFailed | CancelAck) -> None:
-        self._inbox.put(("verdict", message))
+        self._inbox.put(Deliver(message))
 
     # -- the thread -------------------------------------------------------------------------------------
     def _busy(self) -> bool:
@@ -71,32 +77,31 @@ class PushReceiver(TransferThread):
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))
 
-    def _handle(self, item: tuple, now: float) -> None:
-        kind = item[0]
-        if kind == "expect":
-            self._perform(self.core.expect(item[1], item[2], item[3], now))
-        elif kind == "allocated":
-            if item[2] is not None:
-                item[2].wait()
-            if self.staging is None:
-                self._perform(self.core.allocated(item[1], now))
-            else:
-                self._stage(item[1])
-        elif kind == "abort":
-            blocks = self.staging.withdraw(item[1]) if self.staging else None
-            if blocks is not None:  # P never heard of these blocks: the engine may have them back
-                self.on_free(item[1], blocks)
-            self._perform(self.core.abort(item[1], item[2], now))
-        elif kind == "verdict":
-            self._verdict(item[1], now)
+    def _expect(self, item: Expect, now: float) -> None:
+        self._perform(self.core.expect(item.transfer_id, item.p_side_channel, item.p_tp_size, now))
+
+    def _allocated(self, item: Allocated, now: float) -> None:
+        if item.fence is not None:
+            item.fence.wait()
+        if self.staging is None:
+            self._perform(self.core.allocated(item.registration, now))
+        else:
+            self._stage(item.registration)
+            self._perform(())  # slots taken at once registered with the core (deferred)
+
+    def _abort(self, item: Abort, now: float) -> None:
+        blocks = self.staging.withdraw(item.transfer_id) if self.staging else None
+        if blocks is not None:  # P never heard of these blocks: the engine may have them back
+            self.on_free(item.transfer_id, blocks)
+        self._perform(self.core.abort(item.transfer_id, item.reason, now))
 
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, registration: Registration) -> None:
         tid, blocks = registration.transfer_id, registration.block_ids
 
-        def register(slots: tuple[int, ...]) -> None:
+        def register(slots: tuple[int, ...]) -> None:  # now, or when a release frees slots
             ranks = tuple(RankRegions(r.tp_rank, r.agent_name, self.staging.regions) for r in registration.ranks)
-            self._perform(self.core.allocated(replace(registration, ranks=ranks, block_ids=slots), time.time()))
+            self._then(lambda: self.core.allocated(replace(registration, ranks=ranks, block_ids=slots), time.time()))
 
         try:
             self.staging.take(tid, blocks, register)
@@ -133,21 +138,9 @@ class PushReceiver(TransferThread):
             self.timeline.mark(message.transfer_id, "d_notified")
         self._perform(self.core.verdict(message, now))
 
-    def _perform(self, actions) -> None:
-        for action in actions:
-            if isinstance(action, SendMessage):
-                self.peers.send(action.peer, action.ranks, action.message)
-            elif isinstance(action, FinishLoad):
-                self._loaded(action.transfer_id)
-            elif isinstance(action, FailTransfer):
-                log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
-                self.on_failed(action.transfer_id, action.reason)
-            elif isinstance(action, FreeBlocks):
-                self._free(action.transfer_id, action.block_ids)
-            elif isinstance(action, Transitioned):
-                self._log_transition(action)
-            else:
-                raise TypeError(f"unexpected action {action!r}")
+    def _failed(self, action: FailTransfer) -> None:
+        log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
+        self.on_failed(action.transfer_id, action.reason)
 
     def _on_stop(self) -> None:
         self._abort_all("decode receiver shut down")

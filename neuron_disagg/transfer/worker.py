@@ -1,10 +1,14 @@
 """The life of every transfer thread (push writer, push receiver, pull reader, pull lender).
 
-Other threads only put items in the inbox. The thread takes items (waiting briefly when transfers
-are in flight, longer when idle), hands each to ``_handle``, drives I/O progress with ``_poll``,
-and ticks its protocol core every ``tick_interval_s`` so deadlines fire. ``shutdown`` stops it
-after ``_on_stop`` has ended what is in flight, joins within a bound, and re-raises (once) any
-error that killed the thread — an engine must learn that its transfer thread is gone.
+Other threads only put items in the inbox (``inbox.py``). The thread takes items (waiting briefly
+when transfers are in flight, longer when idle), hands each to the handler its subclass registered
+for its type, drives I/O progress with ``_poll``, and ticks its protocol core every
+``tick_interval_s`` so deadlines fire. The core's actions are performed in order by the performer
+registered for each action type; what a performer must report back to the core (a write that
+completed at once, a copy that finished) waits until every action of the current batch is done, so
+the core is never re-entered halfway through its own actions. ``shutdown`` stops the thread after
+``_on_stop`` has ended what is in flight, joins within a bound, and re-raises (once) any error that
+killed the thread — an engine must learn that its transfer thread is gone.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from typing import Any, Callable
 
-from ..protocol.actions import Transitioned
+from ..protocol.actions import SendMessage, Transitioned
 from ..timeline import OFF, Timeline
 from .peers import Peers
 
@@ -29,6 +35,12 @@ class TransferThread:
         self.peers = peers
         self.tick_interval_s, self.poll_interval_s = tick_interval_s, poll_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._later: deque[Callable[[], list]] = deque()  # core calls waiting for the batch in hand
+        self._handlers: dict[type, Callable[[Any, float], None]] = {}    # inbox item type -> handler
+        self._performers: dict[type, Callable[[Any], None]] = {         # action type -> performer
+            SendMessage: lambda a: self.peers.send(a.peer, a.ranks, a.message),
+            Transitioned: self._log_transition,
+        }
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -57,7 +69,7 @@ class TransferThread:
                     while True:
                         if item is _STOP:
                             return self._on_stop()
-                        self._handle(item, time.time())
+                        self._handlers[type(item)](item, time.time())
                         item = self._inbox.get_nowait()
                 except queue.Empty:
                     pass
@@ -70,6 +82,24 @@ class TransferThread:
             self._error = exc
             log.exception("%s died", self._thread.name)
 
+    def _perform(self, actions) -> None:
+        """Performs the core's actions in order, then the core calls performers deferred (``_then``),
+        each with its own actions, until none is left."""
+        pending = deque(actions)
+        while pending or self._later:
+            if not pending:
+                pending.extend(self._later.popleft()())
+                continue
+            action = pending.popleft()
+            performer = self._performers.get(type(action))
+            if performer is None:
+                raise TypeError(f"{self._thread.name} cannot perform {action!r}")
+            performer(action)
+
+    def _then(self, core_call: Callable[[], list]) -> None:
+        """From a performer: call the core once the actions in hand are performed."""
+        self._later.append(core_call)
+
     def _log_transition(self, action: Transitioned) -> None:
         log.debug("transfer %s %s -> %s on %s%s", action.transfer_id, action.before, action.after,
                   action.event, f" ({action.reason})" if action.reason else "")
@@ -78,9 +108,6 @@ class TransferThread:
     def _busy(self) -> bool:
         """True while transfers are in flight: poll often."""
         return False
-
-    def _handle(self, item: tuple, now: float) -> None:
-        raise NotImplementedError
 
     def _poll(self) -> None:
         pass

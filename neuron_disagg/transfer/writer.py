@@ -17,15 +17,14 @@ import time
 from collections import Counter
 from typing import Callable
 
-from ..protocol.actions import (
-    AbortWrite, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitWrite, Transitioned,
-)
+from ..protocol.actions import AbortWrite, FailTransfer, FreeBlocks, SubmitWrite
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
-from .peers import Peers
+from .inbox import Abort, Deliver, KvReady, PeerReady
 from .inflight import InFlight, Part
+from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
 from .worker import TransferThread
@@ -43,23 +42,56 @@ class PushWriter(TransferThread):
         self.staging = staging
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
-        self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(("peer_ready", agent, error)),
+        self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
                                self.stats)
+        self._handlers.update({KvReady: self._kv_ready, Abort: self._abort, Deliver: self._message,
+                               PeerReady: self._peer_ready})
+        self._performers.update({SubmitWrite: self._submit, AbortWrite: lambda a: self.writes.release(a.transfer_id),
+                                 FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids),
+                                 FailTransfer: self._count_failure})
 
     # -- called from other threads: queue puts only ------------------------------------------------
     def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], fence: KVFence | None = None) -> None:
         """Engine: prefill of this request finished; its blocks are ours until ``on_free``. With a
         ``fence`` (recorded by the engine, asynchronous accelerators) nothing is written before it."""
-        self._inbox.put(("kv_ready", transfer_id, tuple(block_ids), fence))
+        self._inbox.put(KvReady(transfer_id, tuple(block_ids), fence))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
-        self._inbox.put(("abort", transfer_id, reason))
+        self._inbox.put(Abort(transfer_id, reason))
 
     def deliver(self, message: Registration | Heartbeat | Cancel) -> None:
         """Side channel: a verified message from D."""
-        self._inbox.put(("message", message))
+        self._inbox.put(Deliver(message))
 
-    # -- the thread ------------------------------------------------------------------------------------
+    # -- the thread: inbox items ---------------------------------------------------------------------
+    def _kv_ready(self, item: KvReady, now: float) -> None:
+        if item.fence is not None:
+            item.fence.wait()
+        if self.staging is None:
+            self._perform(self.core.kv_ready(item.transfer_id, item.block_ids, now))
+        else:
+            self._stage(item.transfer_id, item.block_ids)
+            self._perform(())  # a copy that ran at once reported to the core (deferred)
+
+    def _abort(self, item: Abort, now: float) -> None:
+        blocks = self.staging.withdraw(item.transfer_id) if self.staging else None
+        if blocks is not None:  # never copied: the engine's blocks go straight back
+            self.on_free(item.transfer_id, blocks)
+        self._perform(self.core.abort(item.transfer_id, item.reason, now))
+
+    def _message(self, item: Deliver, now: float) -> None:
+        message = item.message
+        handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
+                   Cancel: self.core.cancel}[type(message)]
+        if isinstance(message, Registration):
+            self.timeline.mark(message.transfer_id, "p_registration")
+        self._perform(handler(message, now))
+
+    def _peer_ready(self, item: PeerReady, now: float) -> None:
+        for tid, reason in self.writes.peer_ready(item.agent, item.error):
+            self._perform(self._failed(tid, reason))
+
+    # -- the thread: progress and deadlines ----------------------------------------------------------
     def _busy(self) -> bool:
         return bool(self.writes)
 
@@ -73,48 +105,23 @@ class PushWriter(TransferThread):
             self.stats["done"] += 1
             self._perform(self.core.write_done(tid, time.time()))
         for tid, reason in failed:
-            self._failed(tid, reason)
+            self._perform(self._failed(tid, reason))
 
     def _on_stop(self) -> None:
         self._fail_all("prefill writer shut down")
 
-    def _handle(self, item: tuple, now: float) -> None:
-        kind = item[0]
-        if kind == "kv_ready":
-            if item[3] is not None:
-                item[3].wait()
-            if self.staging is None:
-                self._perform(self.core.kv_ready(item[1], item[2], now))
-            else:
-                self._stage(item[1], item[2])
-        elif kind == "abort":
-            blocks = self.staging.withdraw(item[1]) if self.staging else None
-            if blocks is not None:  # never copied: the engine's blocks go straight back
-                self.on_free(item[1], blocks)
-            self._perform(self.core.abort(item[1], item[2], now))
-        elif kind == "message":
-            message = item[1]
-            handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
-                       Cancel: self.core.cancel}[type(message)]
-            if isinstance(message, Registration):
-                self.timeline.mark(message.transfer_id, "p_registration")
-            self._perform(handler(message, now))
-        elif kind == "peer_ready":
-            for tid, reason in self.writes.peer_ready(item[1], item[2]):
-                self._failed(tid, reason)
-
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
-        def copy(slots: tuple[int, ...]) -> None:
+        def copy(slots: tuple[int, ...]) -> None:  # now, or when a release frees slots
             self.staging.to_host(blocks, slots)
             self.on_free(tid, blocks)  # copied: the engine may reuse them now
-            self._perform(self.core.kv_ready(tid, slots, time.time()))
+            self._then(lambda: self.core.kv_ready(tid, slots, time.time()))
 
         try:
             self.staging.take(tid, blocks, copy)
         except ValueError as exc:
             self.on_free(tid, blocks)
-            self._perform(self.core.abort(tid, str(exc), time.time()))
+            self._then(lambda: self.core.abort(tid, str(exc), time.time()))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         if self.staging is None:
@@ -122,24 +129,10 @@ class PushWriter(TransferThread):
         self.staging.release(tid)  # the engine had its blocks back when they were copied
 
     # -- performing the core's actions ---------------------------------------------------------------
-    def _perform(self, actions) -> None:
-        for action in actions:
-            if isinstance(action, SubmitWrite):
-                self._submit(action)
-            elif isinstance(action, AbortWrite):
-                self.writes.release(action.transfer_id)
-            elif isinstance(action, SendMessage):
-                self.peers.send(action.peer, action.ranks, action.message)
-            elif isinstance(action, FreeBlocks):
-                self._free(action.transfer_id, action.block_ids)
-            elif isinstance(action, FailTransfer):
-                self.stats["failed"] += 1
-                self.failures[action.reason.split(":")[0]] += 1
-                log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
-            elif isinstance(action, Transitioned):
-                self._log_transition(action)
-            elif not isinstance(action, FinishLoad):
-                raise TypeError(f"unexpected action {action!r}")
+    def _count_failure(self, action: FailTransfer) -> None:
+        self.stats["failed"] += 1
+        self.failures[action.reason.split(":")[0]] += 1
+        log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
 
     def _submit(self, submit: SubmitWrite) -> None:
         self.stats["writes"] += 1
@@ -147,24 +140,25 @@ class PushWriter(TransferThread):
             self.peers.send(submit.d_side_channel, (0,), submit.notification)
             for event in ("p_write_posted", "p_write_done"):
                 self.timeline.mark(submit.transfer_id, event)
-            return self._perform(self.core.write_done(submit.transfer_id, time.time()))
+            return self._then(lambda: self.core.write_done(submit.transfer_id, time.time()))
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
         # Marked before posting: with UCX's cma the copy, and D's notification, happen inside it.
         self.timeline.mark(submit.transfer_id, "p_write_posted")
         error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))
         if error:
-            self._failed(submit.transfer_id, error)
+            self._then(lambda: self._failed(submit.transfer_id, error))
 
-    def _failed(self, tid: TransferId, reason: str) -> None:
+    def _failed(self, tid: TransferId, reason: str) -> list:
+        """The write's parts released; the core's actions for its failure."""
         self.writes.release(tid)
         self.stats["write_failed"] += 1
-        self._perform(self.core.write_failed(tid, reason, time.time()))
+        return self.core.write_failed(tid, reason, time.time())
 
     def _fail_all(self, reason: str) -> None:
         for tid, blocks in self.staging.withdraw_all() if self.staging else ():
             self.on_free(tid, blocks)
         for tid in self.writes.tids():
-            self._failed(tid, reason)
+            self._perform(self._failed(tid, reason))
         now = time.time()
         for entry in self.core.live():  # held blocks go back; D learns the reason
             self._perform(self.core.abort(entry.transfer_id, reason, now))

@@ -1,0 +1,83 @@
+"""What other threads put in a transfer thread's inbox: one record per kind of event, so that the
+thread reads named fields and dispatches by type (``TransferThread._handlers``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..platforms.fence import KVFence
+from ..protocol.messages import Message, PullOffer, RankRegions, Registration, TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class KvReady:
+    """Engine, P: a prefill finished; its blocks are the thread's until it frees them."""
+
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    fence: KVFence | None
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """Engine, D, push: a decode leg whose KV P will push."""
+
+    transfer_id: TransferId
+    p_side_channel: str
+    p_tp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated:
+    """Engine, D, push: fresh destination blocks, to register with P once ``fence`` passed."""
+
+    registration: Registration
+    fence: KVFence | None
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """Engine, D, pull: P's verified offer for a transfer."""
+
+    offer: PullOffer
+
+
+@dataclass(frozen=True, slots=True)
+class ReadInto:
+    """Engine, D, pull: fresh destination blocks for an offered transfer, to read into once ``fence`` passed."""
+
+    transfer_id: TransferId
+    local: RankRegions
+    block_ids: tuple[int, ...]
+    first_block_index: int
+    fence: KVFence | None
+
+
+@dataclass(frozen=True, slots=True)
+class Lend:
+    """Engine, P, pull: a prefill finished and its blocks are offered."""
+
+    offer: PullOffer
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Engine: the request ended before its transfer did."""
+
+    transfer_id: TransferId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Side channel: a verified message from the peer."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReady:
+    """Peers executor: the handshake with ``agent`` ended (``error`` if it failed)."""
+
+    agent: str
+    error: str | None
