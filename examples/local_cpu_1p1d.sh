@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Disaggregated serving on this machine's CPU, step by step: one prefill instance (P) on core 0, one
 # decode instance (D) on core 1, the router in front, all on 127.0.0.1, with the tiny local model
-# (built once by `python -m neuron_disagg.tiny_model`; nothing is downloaded). It is what
+# (built once by `python -m neuron_disagg.demo.tiny_model`; nothing is downloaded). It is what
 # `neuron-disagg demo` does, written out as the commands you would run yourself, and the same
 # commands the AWS units run (ami/units/), minus EFA.
 #
@@ -42,7 +42,7 @@ fi
 export NEURON_DISAGG_SECRET
 
 # 3. The tiny model: built once into ~/.cache/neuron-disagg, its directory printed.
-MODEL=$(python -m neuron_disagg.tiny_model | tail -n 1)  # the path is its last line
+MODEL=$(python -m neuron_disagg.demo.tiny_model | tail -n 1)  # the path is its last line
 echo "model: $MODEL"
 
 # 4. One config per instance (they differ only in the side channel port, both being on one host).

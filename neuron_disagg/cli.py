@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:
-        from .demo_core import run_demo
+        from .demo.in_process import run_demo
         return run_demo(prefill_ms=args.prefill_ms)
     if args.command == "demo":
-        from .demo_vllm import run_demo
+        from .demo.served import run_demo
         return run_demo()
     return 2
 

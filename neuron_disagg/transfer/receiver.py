@@ -28,7 +28,7 @@ from .inbox import Abort, Allocated, Deliver, Expect
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
-from .worker import TransferThread
+from .thread import TransferThread
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 ``neuron-disagg-push-writer-<rank>``.
 
 The engine and the side channel put events in its inbox (queue puts, nothing more); the thread
-(its loop is ``worker.TransferThread``) feeds them to the producer core, performs the actions the
+(its loop is ``thread.TransferThread``) feeds them to the producer core, performs the actions the
 core returns — post WRITEs, notify D, free blocks — polls in-flight WRITEs, and ticks the core so
 leases and write deadlines fire. Handshakes with new D agents run on a separate executor, so a slow
 or dead D never delays writes to other peers. On shutdown every in-flight transfer fails with a
@@ -27,7 +27,7 @@ from .inflight import InFlight, Part
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
-from .worker import TransferThread
+from .thread import TransferThread
 
 log = logging.getLogger(__name__)
 

@@ -66,9 +66,9 @@ class WorkerSide:
         self.codec = WireCodec(config.load_secret(), config.max_message_bytes)
         self.agent_name = f"{engine_id}-rank{tp_rank}"
         self.address = f"{config.side_channel_host}:{config.side_channel_port}"  # rank r listens on port + r
-        self.thread: PushWriter | PushReceiver | None = None
+        self.push: PushWriter | PushReceiver | None = None  # P's writer or D's receiver
         self.staging: HostStaging | None = None
-        self.pull: PullLender | PullReader | None = None
+        self.pull: PullLender | PullReader | None = None    # P's lender or D's reader
         self._lock = threading.Lock()  # the threads' callbacks against the engine loop's reads
         self._transfers: dict[TransferId, TransferRecord] = {}  # in the transfer threads' hands
         self._ended: list[TransferRecord] = []       # ended; not yet reported to vLLM
@@ -117,20 +117,20 @@ class WorkerSide:
         if self.role == "prefill":
             heads = self.total_heads
             core = ProducerCore(exposed, self.tp_rank, self.tp_size, t.producer_timeouts(), total_heads=heads)
-            self.thread = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free,
+            self.push = PushWriter(core, self.initiator, self.codec, peers(self.initiator, "push"), self._on_free,
                                      self.staging)
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.lender_timeouts(), total_heads=heads),
                                    self.transport, self.codec, peers(self.transport, "pull"), self._on_free)
-            routes = {Registration: self.thread, Heartbeat: self.thread, Cancel: self.thread, ReadFailed: self.pull}
+            routes = {Registration: self.push, Heartbeat: self.push, Cancel: self.push, ReadFailed: self.pull}
         else:
             heads = self.total_heads
             core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts(), total_heads=heads)
-            self.thread = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
+            self.push = PushReceiver(core, self.transport, self.codec, peers(self.transport, "push"),
                                        self._on_loaded, self._on_failed, self._on_free, self.staging)
             self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.reader_timeouts(), total_heads=heads),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
-            routes = {WriteDone: self.thread, WriteFailed: self.thread, CancelAck: self.thread}
+            routes = {WriteDone: self.push, WriteFailed: self.push, CancelAck: self.push}
 
         def on_message(message):
             if isinstance(message, AgentInfoRequest):
@@ -142,8 +142,8 @@ class WorkerSide:
 
         self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port + self.tp_rank,
                                         self.codec, on_message, f"side-channel-{self.tp_rank}").start()
-        self.thread.timeline = self.pull.timeline = Timeline(t.timeline_dir, f"{self.role}-rank{self.tp_rank}")
-        self.thread.start()
+        self.push.timeline = self.pull.timeline = Timeline(t.timeline_dir, f"{self.role}-rank{self.tp_rank}")
+        self.push.start()
         self.pull.start()
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
                  self.role, self.tp_rank, len(self.regions), backend, self.server.address)
@@ -175,12 +175,12 @@ class WorkerSide:
         fence = self.platform.wait_for_kv() if (step.kv_ready or step.register or step.read) else None
         for ready in step.kv_ready:
             self._track(ready.transfer_id, ready.request_id)
-            self.thread.kv_ready(ready.transfer_id, ready.block_ids, fence)
+            self.push.kv_ready(ready.transfer_id, ready.block_ids, fence)
         for expected in step.expect:
-            self.thread.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
+            self.push.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
         for alloc in step.register:
             self._track(alloc.transfer_id, alloc.request_id)
-            self.thread.allocated(Registration(
+            self.push.allocated(Registration(
                 alloc.transfer_id, self.engine_id, alloc.request_id, self.address, self.tp_size,
                 (RankRegions(self.tp_rank, self.agent_name, self.regions),), alloc.block_ids,
                 alloc.first_block_index, 0.0), fence)
@@ -209,7 +209,7 @@ class WorkerSide:
             self.pull.allocated(alloc.transfer_id, self.rank_regions, alloc.block_ids, alloc.first_block_index,
                                 fence)
         for abort in step.abort:
-            self.thread.abort(abort.transfer_id, abort.reason)
+            self.push.abort(abort.transfer_id, abort.reason)
             self.pull.abort(abort.transfer_id, abort.reason)
 
     def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
@@ -275,25 +275,25 @@ class WorkerSide:
     # -- metrics -----------------------------------------------------------------------------------------
     def stats(self) -> dict | None:
         """What changed since the last call, as the plain dict ``stats.ConnectorStats`` carries."""
-        if self.thread is None:
+        if self.push is None:
             return None
         totals = Counter(self._totals)
         failures = Counter(self._failure_reasons)
         totals["messages_rejected"] += sum(self.server.rejected.values()) + sum(
-            getattr(self.thread, "rejected", {}).values())
-        totals["registrations_rejected"] = self.thread.core.counters["registration_rejected"]
+            getattr(self.push, "rejected", {}).values())
+        totals["registrations_rejected"] = self.push.core.counters["registration_rejected"]
         write_seconds: list[float] = []
-        for initiator in (self.thread, self.pull):  # P's writer, D's reader: whoever posts transfers
+        for initiator in (self.push, self.pull):  # P's writer, D's reader: whoever posts transfers
             if isinstance(initiator, (PushWriter, PullReader)):
                 for name in ("bytes", "descriptors", "agent_resets"):
                     totals[name] += initiator.stats[name]
-        if isinstance(self.thread, PushWriter):
-            t = self.thread.stats
+        if isinstance(self.push, PushWriter):
+            t = self.push.stats
             totals.update({"transfers": t["done"], "transfers_failed": t["failed"]})
             totals["registrations_rejected"] += t["registration_rejected"]
-            failures = Counter(self.thread.failures)
+            failures = Counter(self.push.failures)
             totals["lease_expiries"] = failures["lease expired"]
-            write_seconds = self.thread.writes.done_seconds
+            write_seconds = self.push.writes.done_seconds
         step_us, self.step_us = self.step_us, []
         with self._lock:
             told, self._told = self._told, {}
@@ -304,9 +304,9 @@ class WorkerSide:
         return RankHandshake(self.rank_regions)
 
     def shutdown(self) -> None:
-        if self.thread is not None:
+        if self.push is not None:
             self.pull.shutdown()
-            self.thread.shutdown()
+            self.push.shutdown()
             self.server.close()
             self.transport.close()
             self.initiator.close()

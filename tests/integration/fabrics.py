@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neuron_disagg.transfer.peer_process import PeerProcess
+from neuron_disagg.testing.peer_process import PeerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE_SETUP = ("ip link set lo up && ip link add v0 type veth peer name v1 && "

@@ -44,7 +44,7 @@ worker.WorkerSide.hand_off, worker.WorkerSide._on_loaded = hand_off, on_loaded
 
 def _demo(**kwargs) -> tuple[int, str]:
     pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
-    from neuron_disagg.demo_vllm import run_demo
+    from neuron_disagg.demo.served import run_demo
 
     out = io.StringIO()
     rc = run_demo(Console(file=out, width=200), **kwargs)

@@ -7,9 +7,9 @@ import pytest
 
 from neuron_disagg.protocol import RankRegions, Registration, TransferId
 from neuron_disagg.protocol.geometry import rank_regions
-from neuron_disagg.transfer.peer import SHAPE
+from neuron_disagg.testing.peer import SHAPE
 
-from neuron_disagg.transfer.peer_process import SECRET
+from neuron_disagg.testing.peer_process import SECRET
 
 from .fabrics import peers_on
 

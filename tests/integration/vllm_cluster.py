@@ -13,7 +13,8 @@ import time
 
 import httpx
 
-from neuron_disagg import kv_params, tiny_model
+from neuron_disagg import kv_params
+from neuron_disagg.demo import tiny_model
 from neuron_disagg.kv_params import ParamsSigner
 from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router
 

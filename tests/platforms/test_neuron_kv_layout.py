@@ -6,7 +6,7 @@ The plugin keeps one tensor per layer, ``(2, blocks, heads, tokens, head)``: K a
 block head-major. Read as the older token-major ``(2, blocks, tokens, heads, head)`` — what the
 connector assumed before — any P TP other than D's sent the wrong bytes; now such a reading is
 refused at start-up (checked below). The tensors here are CPU memory; the native ``neuron`` device and its fence are tested in
-test_cuda.py and tests/unit/test_threads.py.
+test_cuda.py and tests/transfer/test_threads.py.
 """
 
 from __future__ import annotations

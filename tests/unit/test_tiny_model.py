@@ -1,4 +1,4 @@
-"""`python -m neuron_disagg.tiny_model` prints the model's path and nothing else on stdout, also
+"""`python -m neuron_disagg.demo.tiny_model` prints the model's path and nothing else on stdout, also
 when it builds it: scripts read the path with $(...)."""
 
 import os
@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="installed with vLLM by scripts/setup
 
 def test_first_build_prints_only_the_path(tmp_path):
     env = {**os.environ, "NEURON_DISAGG_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "neuron_disagg.tiny_model"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "neuron_disagg.demo.tiny_model"], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()

@@ -39,7 +39,7 @@ class Thread:
 def worker(monkeypatch, role: str, recompute: bool = True) -> WorkerSide:
     monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
     side = WorkerSide(Config(), role, "engine-a", 0, 1, total_heads=4, recompute=recompute)
-    side.thread, side.pull = Thread(), Thread()
+    side.push, side.pull = Thread(), Thread()
     side.server = SimpleNamespace(rejected=Counter())
     side.platform = SimpleNamespace(wait_for_kv=lambda: "fence")
     side.regions, side.rank_regions = (), RankRegions(0, side.agent_name, ())
@@ -49,7 +49,7 @@ def worker(monkeypatch, role: str, recompute: bool = True) -> WorkerSide:
 def test_decode_registration_goes_to_the_receiver_and_a_load_is_reported_once(monkeypatch):
     d = worker(monkeypatch, "decode")
     d.hand_off(StepMetadata(expect=[Expect(TID, "p:5600", 2)], register=[AllocatedBlocks(TID, RID, (5, 6), 1)]))
-    (expect, allocated) = d.thread.calls
+    (expect, allocated) = d.push.calls
     assert expect == ("expect", TID, "p:5600", 2)
     registration, fence = allocated[1:]
     assert isinstance(registration, Registration) and fence == "fence"
@@ -77,7 +77,7 @@ def test_aborted_while_loading_the_blocks_go_back_once_fenced_and_the_load_is_no
     d = worker(monkeypatch, "decode")
     d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
     d.hand_off(StepMetadata(abort=[Abort(TID, "decode", "decode request aborted")]))
-    assert ("abort", TID, "decode request aborted") in d.thread.calls
+    assert ("abort", TID, "decode request aborted") in d.push.calls
     assert ("abort", TID, "decode request aborted") in d.pull.calls
     d._on_free(TID, (5,))
     assert d.transfer_results(set()) == (set(), {RID}, set())
@@ -87,7 +87,7 @@ def test_prefill_reports_sent_only_for_requests_vllm_listed_finished_in_either_o
     p = worker(monkeypatch, "prefill")
     other = TransferId("req.2/def", 0)
     p.hand_off(StepMetadata(kv_ready=[KvReady(TID, RID, (1, 2)), KvReady(other, "r2", (3,))]))
-    assert [c[0] for c in p.thread.calls] == ["kv_ready", "kv_ready"]
+    assert [c[0] for c in p.push.calls] == ["kv_ready", "kv_ready"]
     p._on_free(TID, (1, 2))                                   # freed before vLLM listed it
     assert p.transfer_results({"plain-request"}) == (set(), set(), set())
     assert p.transfer_results({RID}) == ({RID}, set(), set())

@@ -1,4 +1,4 @@
-"""Drive a real P or D rank process (``neuron_disagg.transfer.peer``) over its stdin/stdout: what
+"""Drive a real P or D rank process (``neuron_disagg.testing.peer``) over its stdin/stdout: what
 the integration tests and the transfer benchmark use."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class PeerProcess:
         namespace); ``env`` adds to this process's environment."""
         self.role = role
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "neuron_disagg.transfer.peer", "--role", role, *args],
+            [*prefix, sys.executable, "-m", "neuron_disagg.testing.peer", "--role", role, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "NEURON_DISAGG_SECRET": SECRET, **(env or {})})
         self.replies: queue.Queue = queue.Queue()

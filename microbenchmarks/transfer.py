@@ -5,7 +5,7 @@ of 16 tokens) = 1,024 blocks = 512 MiB per request.
 Prints, from one run: the writer's submission latency; registration-to-completion latency p50/p99
 as D sees it; bandwidth with merged descriptors (128 per request) and unmerged (131,072); raw NIXL
 bandwidth for the same bytes in one descriptor as the limit; and the engine-side cost of handing a
-finished request to the writer (a queue put). Run: .venv/bin/python benchmarks/transfer.py
+finished request to the writer (a queue put). Run: .venv/bin/python microbenchmarks/transfer.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from neuron_disagg.transfer.peer_process import PeerProcess
+from neuron_disagg.testing.peer_process import PeerProcess
 
 BLOCKS = 1024
 MIB = 1 << 20

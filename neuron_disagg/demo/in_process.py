@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.console import Console
 
-from .config import Config
-from .protocol import (
+from ..config import Config
+from ..protocol import (
     AbortWrite, ConsumerCore, FailTransfer, FinishLoad, FreeBlocks, MessageError, ProducerCore,
     RankRegions, Registration, SendMessage, SubmitWrite, TransferId, Transitioned, WireCodec,
     Heartbeat, Cancel,
 )
-from .protocol.geometry import ModelShape, rank_regions, regions_bytes
-from .transfer.memory import MemoryFabric
+from ..protocol.geometry import ModelShape, rank_regions, regions_bytes
+from ..transfer.memory import MemoryFabric
 
 SHAPE = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
 P_TP, D_TP, POOL = 2, 1, 64
@@ -31,7 +31,10 @@ P_ADDR, D_ADDR = "127.0.0.1:5601", "127.0.0.1:5602"
 
 
 @dataclass
-class Timeline:
+class DemoRow:
+    """One request's line in the demo's table: when each step happened (ms after it started), what
+    moved and how it ended."""
+
     started: float
     marks: dict[str, float] = field(default_factory=dict)
     outcome: str = "-"
@@ -56,7 +59,7 @@ class InProcessCluster:
         self.d = ConsumerCore(D_ADDR, 0, D_TP, config.consumer_timeouts())
         self.to_p: list[tuple[int, bytes]] = []
         self.to_d: list[bytes] = []
-        self.timelines: dict[TransferId, Timeline] = {}
+        self.rows: dict[TransferId, DemoRow] = {}
         self.p_free, self.d_free = set(range(1, POOL)), set(range(1, POOL))  # block 0: pad block
         self.rejected = 0
         self.prefill_alive = True
@@ -81,12 +84,12 @@ class InProcessCluster:
         return blocks
 
     def kv_ready(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
-        self.timelines[tid].mark("kv ready", time.time())
+        self.rows[tid].mark("kv ready", time.time())
         for rank, core in enumerate(self.p):
             self.perform(("p", rank), core.kv_ready(tid, blocks, time.time()))
 
     def decode_leg(self, tid: TransferId) -> None:
-        self.timelines[tid] = self.timelines.get(tid) or Timeline(time.time())
+        self.rows[tid] = self.rows.get(tid) or DemoRow(time.time())
         self.perform(("d", 0), self.d.expect(tid, P_ADDR, P_TP, time.time()))
 
     def allocate(self, tid: TransferId, n_blocks: int, cached: int = 0) -> tuple[int, ...]:
@@ -95,7 +98,7 @@ class InProcessCluster:
         self.decoding[tid] = blocks
         reg = Registration(tid, "decode-0", f"cmpl-{tid.request}", D_ADDR, D_TP,
                            (RankRegions(0, "d0", self.d_regions),), blocks, cached, 0.0)
-        self.timelines[tid].mark("registered", time.time())
+        self.rows[tid].mark("registered", time.time())
         self.perform(("d", 0), self.d.allocated(reg, time.time()))
         return blocks
 
@@ -115,7 +118,7 @@ class InProcessCluster:
     # -- what the cores ask for ---------------------------------------------------------------------
     def perform(self, side: tuple[str, int], actions) -> None:
         for action in actions:
-            tl = self.timelines.get(getattr(action, "transfer_id", None))
+            tl = self.rows.get(getattr(action, "transfer_id", None))
             if isinstance(action, SubmitWrite):
                 tl.mark("write posted", time.time())
                 tl.unmerged += action.plan.unmerged_count
@@ -161,7 +164,7 @@ class InProcessCluster:
                 self.perform(("p", rank), handler(message, now))
             else:
                 message = self.codec.decode(self.to_d.pop(0))
-                tl = self.timelines.get(message.transfer_id)
+                tl = self.rows.get(message.transfer_id)
                 if tl and type(message).__name__ == "WriteDone":
                     tl.mark("write done seen", time.time())
                 self.perform(("d", 0), self.d.verdict(message, time.time()))
@@ -190,10 +193,10 @@ def _scenarios(c: InProcessCluster, forger: WireCodec, prefill_s: float):
             if abort_decode:
                 c.perform(("d", 0), c.d.abort(tid, "client disconnected", time.time()))
                 c.pump()
-                return name, tid, lambda: c.timelines[tid].outcome == "cancelled"
+                return name, tid, lambda: c.rows[tid].outcome == "cancelled"
             d_blocks = c.allocate(tid, blocks, cached)
         c.pump()
-        delivered = c.timelines[tid].outcome == "delivered" and c.verify(tid, d_blocks, cached)
+        delivered = c.rows[tid].outcome == "delivered" and c.verify(tid, d_blocks, cached)
         c.finish_decode(tid)
         return name, tid, lambda: delivered
 
@@ -218,11 +221,11 @@ def _scenarios(c: InProcessCluster, forger: WireCodec, prefill_s: float):
     c.allocate(tid, 4)
     c.prefill_alive = False  # prefill dies: it will never write, answer or tick again
     deadline = time.time() + 10
-    while c.timelines[tid].outcome == "-" and time.time() < deadline:
+    while c.rows[tid].outcome == "-" and time.time() < deadline:
         time.sleep(0.05)
         c.tick()
     yield ("prefill dies after D registered", tid,
-           lambda: c.timelines[tid].outcome == "failed: no KV from prefill within watchdog_s")
+           lambda: c.rows[tid].outcome == "failed: no KV from prefill within watchdog_s")
 
 
 def _scenarios_warm_up(c: InProcessCluster) -> None:
@@ -249,7 +252,7 @@ def run_demo(console: Console | None = None, prefill_ms: float = 20.0) -> int:
     _scenarios_warm_up(cluster)
     ok = True
     for name, tid, check in _scenarios(cluster, forger, prefill_ms / 1000):
-        tl = cluster.timelines[tid]
+        tl = cluster.rows[tid]
         passed = bool(check())
         ok &= passed
         verdict = "[green]ok[/]" if passed else "[red]CHECK FAILED[/]"

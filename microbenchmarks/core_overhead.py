@@ -4,7 +4,7 @@ Geometry: Qwen3-32B (64 layers, 8 KV heads, head_dim 128, bf16), blocks of 16 to
 sides, a 16k-token request (1,024 blocks). For each block-list shape it prints the descriptors one
 P rank would post before and after merging, the time to plan them, and the whole core's time per
 request on each side (P: registration + kv-ready + plan + write-done; D: expect + allocated +
-verdict). Run: .venv/bin/python benchmarks/core_overhead.py [--requests N]
+verdict). Run: .venv/bin/python microbenchmarks/core_overhead.py [--requests N]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and write them to ``measured_costs.json`` beside this file.
 Why a script: every cost parameter in ``neuron_disagg/sim/profiles.py`` must name where it came from.
 The ones measured here (not published hardware figures) are re-measurable with one command:
 
-    .venv/bin/python benchmarks/calibration/measure_costs.py [--out FILE] [--reps N]
+    .venv/bin/python microbenchmarks/calibration/measure_costs.py [--out FILE] [--reps N]
 
 What it measures (``--reps`` repetitions; the machine is a shared 2-vCPU CPU box where other jobs
 only ever add time, so the JSON keeps the median *and* the minimum, and the profiles cite the
@@ -27,7 +27,7 @@ minimum as the least-disturbed estimate; the JSON records the host it ran on):
    on a different backend, not to replace it.
 3. ``handoff``: the engine loop's cost to hand a finished request to a writer thread (a queue put).
 4. ``tokenize``: an API server's cost to tokenize a text prompt, per token, with the repository's
-   tiny byte-level BPE tokenizer (``neuron_disagg.tiny_model``; Qwen3's is byte-level BPE too, with a
+   tiny byte-level BPE tokenizer (``neuron_disagg.demo.tiny_model``; Qwen3's is byte-level BPE too, with a
    far larger vocabulary, so this is an order of magnitude, not Qwen3's figure). Pull pays it again
    on D after prefill (the router relays the text); push pays it on D in parallel with prefill.
 """
@@ -95,7 +95,7 @@ def measure_plan(reps: int) -> dict:
 class ScatteredLoopback:
     """Two NIXL agents in this process (UCX, DRAM, progress thread off) and prepared lists of
     ``count`` descriptors of ``desc_bytes`` each, one in every other slot so that nothing merges:
-    the per-descriptor worst case, with no network in the way. Also used by benchmarks/gil.py."""
+    the per-descriptor worst case, with no network in the way. Also used by microbenchmarks/gil.py."""
 
     def __init__(self, count: int, desc_bytes: int, initiator: str, target: str):
         from nixl._api import nixl_agent, nixl_agent_config
@@ -182,7 +182,7 @@ def measure_handoff(n: int) -> float:
 def measure_tokenize(reps: int) -> dict:
     from tokenizers import Tokenizer
 
-    from neuron_disagg.tiny_model import _corpus, build
+    from neuron_disagg.demo.tiny_model import _corpus, build
 
     tok = Tokenizer.from_file(str(build() / "tokenizer.json"))
     text, n = "", 0
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
                  "note": "shared 2-vCPU CPU machine; other jobs were running, medians are noisy"},
-        "command": "python benchmarks/calibration/measure_costs.py",
+        "command": "python microbenchmarks/calibration/measure_costs.py",
         "plan_16k_qwen3_32b_tp8": measure_plan(args.reps),
         "engine_handoff_s": measure_handoff(10_000),
         "tokenize_tiny_bpe": measure_tokenize(args.reps),

@@ -1,6 +1,6 @@
 """A stand-alone P or D rank with KV-shaped host memory, driven by JSON lines on stdin.
 
-``python -m neuron_disagg.transfer.peer --role prefill|decode`` builds block-major regions for a
+``python -m neuron_disagg.testing.peer --role prefill|decode`` builds block-major regions for a
 small model shape in one numpy buffer, registers them with a real transport, starts the side
 channel and the push writer (P) or receiver (D), then answers commands:
 
@@ -44,12 +44,12 @@ from ..protocol.lender import LenderCore, LenderTimeouts
 from ..protocol.reader import ReaderCore, ReaderTimeouts
 from ..protocol.producer import ProducerCore, ProducerTimeouts
 from ..protocol.wire import WireCodec
-from .peers import Peers
-from .pull import PullLender, PullReader
-from .receiver import PushReceiver
-from .side_channel import SideChannelClient, SideChannelServer
-from .transport import InMemoryTransport, NixlTransport, region_spans
-from .writer import PushWriter
+from ..transfer.peers import Peers
+from ..transfer.pull import PullLender, PullReader
+from ..transfer.receiver import PushReceiver
+from ..transfer.side_channel import SideChannelClient, SideChannelServer
+from ..transfer.transport import InMemoryTransport, NixlTransport, region_spans
+from ..transfer.writer import PushWriter
 
 EVENTS = sys.stdout
 _instances = itertools.count()

@@ -20,8 +20,9 @@ import time
 import httpx
 from rich.console import Console
 
-from . import timeline, tiny_model
-from .local_cluster import disaggregated, free_port, router
+from .. import timeline
+from . import tiny_model
+from ..local_cluster import disaggregated, free_port, router
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy river",

@@ -1,7 +1,7 @@
 """Host staging's copy rate for one 16k-token Qwen3-32B request on one TP8 rank (512 MiB:
 64 layers x K/V x 1,024 blocks of 4 KiB), next to a plain contiguous copy of the same bytes.
 
-    .venv/bin/python benchmarks/staging.py [--device cpu]
+    .venv/bin/python microbenchmarks/staging.py [--device cpu]
 
 Prints each direction's time and GiB/s for contiguous and scattered block lists, and its ratio
 to the plain copy. On a Neuron host pass the KV device (e.g. ``--device xla``) to time the real

@@ -13,7 +13,7 @@ can. The longest gap between two stamps during the call is how long the engine t
 off the interpreter. Reference lines: the same thread sleeping (releases the GIL) and running
 pure-Python work (the interpreter hands the GIL over every ``sys.getswitchinterval()``).
 
-    .venv/bin/python benchmarks/gil.py [--reps N]
+    .venv/bin/python microbenchmarks/gil.py [--reps N]
 
 Prints, per call: its duration, and the longest engine-thread stall as a fraction of it.
 """
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from calibration.measure_costs import ScatteredLoopback  # run as a script: benchmarks/ is on the path
+from calibration.measure_costs import ScatteredLoopback  # run as a script: microbenchmarks/ is on the path
 
 COUNT, DESC_BYTES = 131_072, 64
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from neuron_disagg.protocol import AgentInfoRequest, TransferId, WireCodec, WriteDone
-from neuron_disagg.transfer.peer import Peer, parser
+from neuron_disagg.testing.peer import Peer, parser
 
 
 @pytest.fixture(autouse=True)
