@@ -139,6 +139,15 @@ class WriteDone(msgspec.Struct, frozen=True, tag="write_done"):
     p_tp_size: int
 
 
+class WriteStarting(msgspec.Struct, frozen=True, tag="write_starting"):
+    """P -> D: P's rank ``p_rank`` is posting its WRITE for the transfer now. A wake-up, not a state
+    change: D's receiver waits for notifications lazily while P still computes (seconds, in push)
+    and polls closely from this until the transfer ends. Lost, it costs D up to one tick."""
+
+    transfer_id: TransferId
+    p_rank: int
+
+
 class WriteFailed(msgspec.Struct, frozen=True, tag="write_failed"):
     """P -> D: P's rank ``p_rank`` will write nothing (more); no write of it is in flight."""
 
@@ -206,6 +215,7 @@ class ReadFailed(msgspec.Struct, frozen=True, tag="read_failed"):
     reason: str
 
 
-Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteFailed, CancelAck, AgentInfoRequest, AgentInfo]
+Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
+                CancelAck, AgentInfoRequest, AgentInfo]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

@@ -38,7 +38,7 @@ from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.geometry import QWEN3_32B, ModelShape, rank_regions, regions_bytes
 from ..protocol.messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
-    Registration, TransferId, WriteDone, WriteFailed,
+    Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.lender import LenderCore, LenderTimeouts
 from ..protocol.reader import ReaderCore, ReaderTimeouts
@@ -131,7 +131,7 @@ class Peer:
             return AgentInfo(self.rank, self.transport.name, self.transport.metadata(),
                              tuple((span.addr, span.length) for span in region_spans(self.regions)))
         wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
-                  ("decode", "push"): (WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
+                  ("decode", "push"): (WriteStarting, WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):
             self.thread.deliver(message)
         return None

@@ -21,7 +21,9 @@ from typing import Callable
 from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
-from ..protocol.messages import CancelAck, RankRegions, Registration, TransferId, WriteDone, WriteFailed
+from ..protocol.messages import (
+    CancelAck, RankRegions, Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
+)
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Allocated, Deliver, Expect
@@ -44,8 +46,11 @@ class PushReceiver(TransferThread):
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.rejected: Counter[str] = Counter()
         self.staging = staging
+        # Transfers P said it is writing: only these make us poll closely for the notification. A
+        # registration otherwise waits out P's prefill (in push, all of it) costing D's core nothing.
+        self._writing: set[TransferId] = set()
         self._handlers.update({Expect: self._expect, Allocated: self._allocated, Abort: self._abort,
-                               Deliver: lambda item, now: self._verdict(item.message, now)})
+                               Deliver: self._deliver})
         self._performers.update({FinishLoad: lambda a: self._loaded(a.transfer_id),
                                  FailTransfer: self._failed,
                                  FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids)})
@@ -63,12 +68,12 @@ class PushReceiver(TransferThread):
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
-    def deliver(self, message: WriteDone | WriteFailed | CancelAck) -> None:
+    def deliver(self, message: WriteStarting | WriteDone | WriteFailed | CancelAck) -> None:
         self._inbox.put(Deliver(message))
 
     # -- the thread -------------------------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.core.live())
+        return bool(self._writing)
 
     def _poll(self) -> None:
         for sender, frame in self.transport.notifications():
@@ -76,6 +81,14 @@ class PushReceiver(TransferThread):
 
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))
+        if self._writing:  # ended without a verdict we saw (P's ranks each end theirs)
+            self._writing &= {entry.transfer_id for entry in self.core.live()}
+
+    def _deliver(self, item: Deliver, now: float) -> None:
+        if isinstance(item.message, WriteStarting):
+            self._writing.add(item.message.transfer_id)  # the loop polls right after this
+        else:
+            self._verdict(item.message, now)
 
     def _expect(self, item: Expect, now: float) -> None:
         self._perform(self.core.expect(item.transfer_id, item.p_side_channel, item.p_tp_size, now))
@@ -110,6 +123,7 @@ class PushReceiver(TransferThread):
             self.on_free(tid, blocks)
 
     def _loaded(self, tid: TransferId) -> None:
+        self._writing.discard(tid)
         held = self.staging.held(tid) if self.staging else None
         if held is not None:
             self.staging.to_device(held[1], held[0])
@@ -117,6 +131,7 @@ class PushReceiver(TransferThread):
         self.on_loaded(tid)
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
+        self._writing.discard(tid)
         blocks = self.staging.release(tid) if self.staging else None  # P is done with the slots
         self.on_free(tid, block_ids if blocks is None else blocks)
 

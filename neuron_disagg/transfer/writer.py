@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Callable
 
 from ..protocol.actions import AbortWrite, FailTransfer, FreeBlocks, SubmitWrite
-from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId
+from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, WriteStarting
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
@@ -142,6 +142,9 @@ class PushWriter(TransferThread):
                 self.timeline.mark(submit.transfer_id, event)
             return self._then(lambda: self.core.write_done(submit.transfer_id, time.time()))
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
+        # D waits for notifications lazily until told a write is coming (messages.WriteStarting).
+        self.peers.send(submit.d_side_channel, tuple(sorted({part.peer_rank for part in parts})),
+                        WriteStarting(submit.transfer_id, self.core.tp_rank))
         # Marked before posting: with UCX's cma the copy, and D's notification, happen inside it.
         self.timeline.mark(submit.transfer_id, "p_write_posted")
         error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))

@@ -20,7 +20,7 @@ from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
-    Registration, TransferId, WriteDone, WriteFailed,
+    Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.producer import ProducerCore
 from ..protocol.lender import LenderCore
@@ -130,7 +130,7 @@ class WorkerSide:
             self.pull = PullReader(ReaderCore(self.tp_rank, self.tp_size, t.reader_timeouts(), total_heads=heads),
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
-            routes = {WriteDone: self.push, WriteFailed: self.push, CancelAck: self.push}
+            routes = {WriteStarting: self.push, WriteDone: self.push, WriteFailed: self.push, CancelAck: self.push}
 
         def on_message(message):
             if isinstance(message, AgentInfoRequest):

@@ -273,3 +273,25 @@ def test_without_the_need_a_failed_write_keeps_the_agent(ranks):
     p.wait("free", ("doomed", 0))
     assert p.peer.transport.name == p.peer.agent
     assert p.peer.thread.stats["agent_resets"] == 0
+
+
+def test_the_receiver_polls_closely_only_once_p_says_it_is_writing(ranks):
+    """A registration waits out P's whole prefill in push: D's receiver must not spin through it.
+    It polls closely from P's WriteStarting until the transfer ends, and without the hint the KV
+    still arrives, by the next tick."""
+    p, d = ranks("prefill"), ranks("decode")
+    receiver = d.peer.thread
+    tid = ("hinted", 0)
+    _register(d, p, tid, [1, 2])
+    time.sleep(0.3)  # the registration reached P; P's prefill "runs"
+    assert not receiver._busy()
+    p.kv_ready(tid=list(tid), blocks=[3, 4])
+    d.wait("loaded", tid)
+    assert not receiver._busy()
+    dropped = ("unhinted", 0)
+    original = receiver.deliver
+    receiver.deliver = lambda m: None if type(m).__name__ == "WriteStarting" else original(m)
+    _register(d, p, dropped, [5, 6])
+    time.sleep(0.3)
+    p.kv_ready(tid=list(dropped), blocks=[7, 8])
+    d.wait("loaded", dropped, timeout=2 * receiver.tick_interval_s + 2)
