@@ -124,6 +124,17 @@ class Instance:
                 pass
 
 
+def start_in_waves(*waves: list[Instance], started: list[Instance]) -> None:
+    """Starts each wave's instances together and waits until they serve, wave after wave (the vLLM
+    servers, then the router that checks them at start-up); each goes into ``started`` as soon as it
+    starts, for the caller to stop whatever happens."""
+    for wave in waves:
+        for instance in wave:
+            started.append(instance.start())
+        for instance in wave:
+            instance.wait_ready(60 if instance.name == "router" else 300)
+
+
 def _cores(spec: str) -> set[int]:
     """The cores of a VLLM_CPU_OMP_THREADS_BIND list such as "0", "0-3" or "0,2"."""
     cores: set[int] = set()

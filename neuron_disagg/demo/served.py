@@ -22,7 +22,7 @@ from rich.console import Console
 
 from .. import timeline
 from . import tiny_model
-from ..local_cluster import disaggregated, free_port, router
+from ..local_cluster import disaggregated, free_port, router, start_in_waves
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy river",
@@ -93,12 +93,7 @@ def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: d
     ok = True
     try:
         with console.status("starting the prefill and decode vLLM instances (about a minute on 2 cores)..."):
-            for instance in (p, d):
-                started.append(instance.start())
-            for instance in (p, d):
-                instance.wait_ready()
-            started.append(r.start())
-            r.wait_ready(60)
+            start_in_waves([p, d], [r], started=started)
         console.print(f"prefill {p.url} (core 0, log {p.log_path})\ndecode  {d.url} (core 1, log {d.log_path})\n"
                       f"router  {r.url}\npush: D registers its blocks while P prefills and P's writer thread writes the "
                       "KV into D over NIXL; pull: D's reader thread reads it from P afterwards\n")

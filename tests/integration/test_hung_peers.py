@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from neuron_disagg.local_cluster import free_port, router  # noqa: E402
+from neuron_disagg.local_cluster import free_port, router, start_in_waves  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, TIMEOUTS, body, kv_usage, metric, next_id, prompt, reference, run, wait_for,
@@ -43,12 +43,7 @@ def hung(cluster):
                extra_args=("--health-interval-s", "1"))
     started = []
     try:
-        for instance in (p, d):
-            started.append(instance.start())
-        for instance in (p, d):
-            instance.wait_ready()
-        started.append(r.start())
-        r.wait_ready(60)
+        start_in_waves([p, d], [r], started=started)
         yield {"prefill": p, "decode": d, "router": r}
     finally:
         for instance in started:
