@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -44,6 +44,10 @@ class RunResult:
     breakdown_ms: dict[str, float] | None = None  # median of each TTFT segment (our modes)
     prefill_step_us: float | None = None  # our connector's mean time per engine step (our modes)
     decode_step_us: float | None = None
+    prefill_step_p50_us: float | None = None  # ... its p50 and p99, as histogram bucket bounds
+    prefill_step_p99_us: float | None = None
+    decode_step_p50_us: float | None = None
+    decode_step_p99_us: float | None = None
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -52,10 +56,12 @@ class RunResult:
 
 @dataclass
 class StepTime:
-    """The connector's cumulative time on the engine loop, read from an instance's /metrics."""
+    """The connector's cumulative time on the engine loop, read from an instance's /metrics:
+    its sum, its count, and its histogram's cumulative count per bucket bound (seconds)."""
 
     seconds: float = 0.0
     steps: float = 0.0
+    buckets: dict[float, float] = field(default_factory=dict)
 
 
 def bench_serve(url: str, tokenizer: str, load: Load, out_dir: Path, name: str,
@@ -111,16 +117,33 @@ def step_time(url: str) -> StepTime:
     except httpx.HTTPError:
         return total
     for line in text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
         if line.startswith("neuron_disagg_connector_step_seconds_sum"):
-            total.seconds += float(line.rsplit(" ", 1)[1])
+            total.seconds += float(value)
         elif line.startswith("neuron_disagg_connector_step_seconds_count"):
-            total.steps += float(line.rsplit(" ", 1)[1])
+            total.steps += float(value)
+        elif line.startswith("neuron_disagg_connector_step_seconds_bucket") and 'le="' in line:
+            bound = float(line.split('le="', 1)[1].split('"', 1)[0])
+            total.buckets[bound] = total.buckets.get(bound, 0.0) + float(value)
     return total
 
 
 def mean_step_us(before: StepTime, after: StepTime) -> float | None:
     steps = after.steps - before.steps
     return round((after.seconds - before.seconds) / steps * 1e6, 1) if steps > 0 else None
+
+
+def step_quantile_us(before: StepTime, after: StepTime, q: float) -> float | None:
+    """The histogram bucket bound (µs) at or below which a fraction ``q`` of the steps between the
+    two readings fell: an upper bound on that quantile, as fine as the buckets (1, 5, 10, 50, 100,
+    500 µs ...); inf when beyond the last."""
+    steps = after.steps - before.steps
+    if steps <= 0:
+        return None
+    for bound in sorted(after.buckets):
+        if after.buckets[bound] - before.buckets.get(bound, 0.0) >= q * steps:
+            return round(bound * 1e6, 1)
+    return None
 
 
 def scratch_dir() -> Path:

@@ -47,7 +47,8 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
                  ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0),
                  ("tpot_p50_ms", "TPOT p50 ms", 1), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
-                 ("prefill_step_us", "P step us", 1), ("decode_step_us", "D step us", 1),
+                 ("prefill_step_p50_us", "P step p50 us", 0), ("prefill_step_p99_us", "P step p99 us", 0),
+                 ("decode_step_p50_us", "D step p50 us", 0), ("decode_step_p99_us", "D step p99 us", 0),
                  ("completed", "ok", 0), ("failed", "failed", 0))
 
 

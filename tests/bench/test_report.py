@@ -8,7 +8,7 @@ import json
 import pytest
 
 from neuron_disagg.bench import cli, report
-from neuron_disagg.bench.load import RunResult, StepTime, breakdown_between, mean_step_us
+from neuron_disagg.bench.load import RunResult, StepTime, breakdown_between, mean_step_us, step_quantile_us
 from neuron_disagg.bench.topology import groups
 from neuron_disagg.timeline import Timeline
 
@@ -81,3 +81,11 @@ def test_bad_arguments_fail_before_anything_starts(argv, words, capsys, monkeypa
         cli.main(argv + ["--model", "/nonexistent-model"])
     assert exit_.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_step_quantiles_come_from_the_histogram_buckets_between_two_readings():
+    before = StepTime(0.0, 100, {1e-05: 90, 0.0001: 100, 0.0005: 100, float("inf"): 100})
+    after = StepTime(0.1, 300, {1e-05: 190, 0.0001: 296, 0.0005: 298, float("inf"): 300})
+    assert step_quantile_us(before, after, 0.5) == 10.0      # 100 of the 200 new steps took <= 10 us
+    assert step_quantile_us(before, after, 0.99) == 500.0    # 196 <= 100 us is short of 198
+    assert step_quantile_us(before, before, 0.5) is None
