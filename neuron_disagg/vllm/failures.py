@@ -48,9 +48,17 @@ async def _reason(transfer_id: str | None) -> str | None:
     return None
 
 
+def _message(reason: str) -> str:
+    return f"KV transfer failed: {reason} (kv_load_failure_policy: fail)"
+
+
 def _told(reason: str) -> bytes:
-    text = f"KV transfer failed: {reason} (kv_load_failure_policy: fail)"
-    return json.dumps(text)[1:-1].encode()  # as it sits inside a JSON string
+    return json.dumps(_message(reason))[1:-1].encode()  # as it sits inside a JSON string
+
+
+def _error_event(reason: str) -> bytes:
+    error = {"message": _message(reason), "type": "InternalServerError", "param": None, "code": 500}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 async def kv_failure_reasons(request, call_next):
@@ -64,10 +72,21 @@ async def kv_failure_reasons(request, call_next):
         chunks = response.body_iterator
 
         async def told():
+            said = answered = False
             async for chunk in chunks:
-                if isinstance(chunk, bytes) and _GENERIC in chunk and b'"error"' in chunk:
+                if not isinstance(chunk, bytes):
+                    pass
+                elif _GENERIC in chunk and b'"error"' in chunk:
                     reason = await _reason(transfer_id)
-                    chunk = chunk.replace(_GENERIC, _told(reason)) if reason else chunk
+                    chunk, said = (chunk.replace(_GENERIC, _told(reason)), True) if reason else (chunk, said)
+                elif chunk.startswith(b"data: [DONE]") and not (said or answered):
+                    # vLLM 0.29 ends the stream of a request that failed before its first token with
+                    # no event at all: nothing but [DONE]. Say why before it.
+                    reason = await _reason(transfer_id)
+                    if reason:
+                        yield _error_event(reason)
+                elif chunk.startswith(b"data: {"):
+                    answered = True
                 yield chunk
         response.body_iterator = told()
         return response

@@ -35,11 +35,23 @@ def _app() -> TestClient:
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def silent(request):  # vLLM 0.29: a request that failed before its first token streams nothing
+        async def events():
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def tokens(request):
+        async def events():
+            yield b'data: {"choices": [{"text": "hi"}]}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def fine(request):
         return JSONResponse({"choices": [{"text": "Internal server error"}]})
 
     app = FastAPI(routes=[Route("/failed", failed, methods=["POST"]), Route("/streamed", streamed, methods=["POST"]),
-                          Route("/fine", fine, methods=["POST"])])  # vLLM's server is a FastAPI app
+                          Route("/fine", fine, methods=["POST"]), Route("/silent", silent, methods=["POST"]),
+                          Route("/tokens", tokens, methods=["POST"])])  # vLLM's server is a FastAPI app
     app.middleware("http")(failures.kv_failure_reasons)  # as vLLM registers --middleware functions
     return TestClient(app)
 
@@ -75,3 +87,14 @@ def test_reasons_from_several_ranks_merge_and_reach_the_api_server_process():
     rank1 = ConnectorStats({**empty(), "failed_requests": {"b#0": "watchdog"}})
     merged = rank0.aggregate(rank1)
     assert not merged.is_empty() and merged.data["failed_requests"] == {"a#0": "lease expired", "b#0": "watchdog"}
+
+
+def test_a_stream_that_ended_with_nothing_but_done_is_told_why_first():
+    client = _app()
+    failures.remember({"req.10#0": "no KV from prefill within watchdog_s"})
+    events = [e for e in client.post("/silent", headers={"X-Request-Id": "req.10#0"}).text.split("\n\n") if e]
+    assert json.loads(events[0][len("data: "):])["error"]["message"].startswith("KV transfer failed: no KV")
+    assert events[-1] == "data: [DONE]"
+    started = time.monotonic()
+    assert client.post("/tokens", headers={"X-Request-Id": "req.11#0"}).text.count("data: ") == 2  # untouched
+    assert time.monotonic() - started < failures._WAIT_S / 2  # and not delayed

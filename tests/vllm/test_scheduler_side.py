@@ -17,7 +17,8 @@ from neuron_disagg.protocol import TransferId  # noqa: E402
 
 BLOCK = 16
 TID = "req.1#0"
-SIGNER = ParamsSigner(b"scheduler-side-tests-secret-0123456789")
+# Signed once, at collection: they must outlive a whole test run (the signer's TTL is checked).
+SIGNER = ParamsSigner(b"scheduler-side-tests-secret-0123456789", ttl_s=7 * 86400)
 PUSH_D = SIGNER.sign({"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": TID,
                       "p_side_channel": "127.0.0.1:1", "p_tp_size": 1})
 PUSH_P = SIGNER.sign({"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": TID})
