@@ -33,9 +33,11 @@ def blocks(*ids):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def output(recving=(), sending=(), failed=()):
+def output(recving=(), sending=(), failed=(), failed_blocks=(5, 6, 7)):
+    """A step's connector output; a failed load is said both ways: by request id (vLLM 0.32+) and by
+    its blocks (older vLLM; the tests' failed loads had blocks 5, 6, 7)."""
     return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending), failed_recving=set(failed),
-                           invalid_block_ids=set())
+                           invalid_block_ids=set(failed_blocks) if failed else set())
 
 
 A, B = range(1, 41), range(100, 130)
