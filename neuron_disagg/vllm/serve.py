@@ -60,9 +60,11 @@ def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[st
 
 
 def build_command(role: str, model: str, config: Config, vllm_args: list[str], python: str = sys.executable) -> list[str]:
+    # Only a failing policy produces reasons to tell: under recompute no request fails for want of
+    # KV, and the middleware would only add a hop to every streamed chunk.
+    told = ["--middleware", failures.MIDDLEWARE] if config.kv_load_failure_policy == "fail" else []
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)),
-            "--middleware", failures.MIDDLEWARE, *vllm_args]
+            "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)), *told, *vllm_args]
 
 
 def main(argv: list[str]) -> int:

@@ -231,8 +231,11 @@ class WorkerSide:
         with self._lock:
             if self.role == "prefill":
                 # vLLM accepts only ids it has already listed as finished on this worker.
-                ours = {r.request_id for r in self._transfers.values()} | {r.request_id for r in self._ended}
-                self._finished_by_vllm |= finished_req_ids & ours
+                if finished_req_ids:  # most steps finish nothing: skip the scan on the engine loop
+                    ours = {r.request_id for r in self._transfers.values()} | {r.request_id for r in self._ended}
+                    self._finished_by_vllm |= finished_req_ids & ours
+                if not self._ended:
+                    return set(), set(), set()
                 sent = [r for r in self._ended if r.request_id in self._finished_by_vllm]
                 self._ended = [r for r in self._ended if r.request_id not in self._finished_by_vllm]
                 sending = {r.request_id for r in sent}
