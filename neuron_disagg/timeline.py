@@ -24,7 +24,7 @@ EVENTS = {
     "router_arrived": "the router received the client's request",
     "p_arrived": "P's API server created the request (vLLM's arrival_time)",
     "p_scheduled": "P's scheduler allocated its blocks: prefill starts",
-    "p_kv_ready": "P's scheduler saw the prefill finish",
+    "p_kv_ready": "P's KV is computed: its worker after the forward, or its scheduler at the request's end",
     "p_registration": "P's writer received D's registration",
     "p_write_posted": "P's writer started posting the WRITE",
     "p_write_done": "P's writer saw the WRITE complete",
@@ -38,7 +38,8 @@ EVENTS = {
 }
 # A P with TP > 1 marks once per rank: the transfer is as early as its first arrival and as late
 # as its last rank.
-_EARLIEST = {"router_arrived", "p_arrived", "p_scheduled", "d_arrived", "d_allocated", "p_registration"}
+_EARLIEST = {"router_arrived", "p_arrived", "p_scheduled", "p_kv_ready", "d_arrived", "d_allocated",
+             "p_registration"}
 
 
 class Timeline:

@@ -47,8 +47,9 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         self._engine_id = transfer.engine_id
         if role == KVConnectorRole.SCHEDULER:
             timeline = Timeline(self.config.timeline_dir, f"{_ROLES[transfer.kv_role]}-scheduler")
-            self.scheduler_side = SchedulerSide(vllm_config.cache_config.block_size, self.config.params_signer(),
-                                                timeline=timeline)
+            self.scheduler_side = SchedulerSide(
+                vllm_config.cache_config.block_size, self.config.params_signer(), timeline=timeline,
+                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -125,8 +126,11 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, per layer: nothing; P's KV is written once the request's prefill is done."""
 
     def wait_for_save(self) -> None:
-        """Worker, once per step after the forward: nothing; the step's work left in
-        bind_connector_metadata and writes never wait for the forward."""
+        """Worker, once per step after the forward: prefills this forward completed go to the writer
+        now (push); nothing here waits for the KV or the write."""
+        start = time.perf_counter()
+        self.worker_side.after_forward()
+        self._step_seconds += time.perf_counter() - start
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Worker, each step (vLLM 0.32+): requests whose blocks the threads released, loaded, or

@@ -69,6 +69,7 @@ class DecodeState(enum.Enum):
 
 class PrefillState(enum.Enum):
     PREFILLING = "prefilling"
+    LAST_CHUNK = "last_chunk"                  # async scheduling: the forward ending the prompt is in flight
     HANDED_OFF = "handed_off"                  # blocks held until the writer or lender is done
 
 
@@ -79,6 +80,8 @@ class LegEvent(enum.Enum):
     LOAD_FAILED = "load_failed"        # D: the worker finished receiving, without the KV
     OWNER_DONE = "owner_done"          # D: the sibling that loads this prompt is done with it
     HANDED_OFF = "handed_off"          # P: prefill finished; blocks go to the writer or lender
+    LAST_CHUNK = "last_chunk"          # P, push, async scheduling: the prompt's last tokens were scheduled
+    PREEMPTED = "preempted"            # P: vLLM freed the blocks of a request before its hand-off
     SIBLING_HANDED_OFF = "sibling"     # P: another engine request handed this prompt's KV over
     SENT = "sent"                      # P: the worker released the blocks
     ENDED = "ended"                    # either: vLLM finished the request (done, aborted, error)
@@ -103,9 +106,15 @@ DECODE_TABLE: dict[tuple[DecodeState, LegEvent], DecodeState | None] = {
 }
 #: P's every transition.
 PREFILL_TABLE: dict[tuple[PrefillState, LegEvent], PrefillState | None] = {
-    (_P.PREFILLING, _E.HANDED_OFF): _P.HANDED_OFF,
+    (_P.PREFILLING, _E.HANDED_OFF): _P.HANDED_OFF,     # at the step end (push) or the request's end
+    (_P.PREFILLING, _E.LAST_CHUNK): _P.LAST_CHUNK,
     (_P.PREFILLING, _E.SIBLING_HANDED_OFF): END,       # freed at once; the sibling's KV is the one sent
     (_P.PREFILLING, _E.ENDED): END,                    # aborted, failed, or nothing to send
+    (_P.LAST_CHUNK, _E.HANDED_OFF): _P.HANDED_OFF,     # the next step, or the request's end if sooner
+    (_P.LAST_CHUNK, _E.PREEMPTED): _P.PREFILLING,      # its blocks are gone: computed again, sent at its end
+    (_P.LAST_CHUNK, _E.SIBLING_HANDED_OFF): END,
+    (_P.LAST_CHUNK, _E.ENDED): END,
+    (_P.HANDED_OFF, _E.ENDED): _P.HANDED_OFF,          # ended after an early hand-off: still held
     (_P.HANDED_OFF, _E.SENT): END,
 }
 #: States in which a leg holds blocks for its transfer (the held-blocks gauge).
@@ -122,19 +131,27 @@ class Leg:
     state: DecodeState | PrefillState
     local_hit_tokens: int = 0
     block_ids: tuple[int, ...] = ()  # the blocks held for the transfer (D: registered, P: handed over)
+    prompt_tokens: int = 0
+    # P, push: hand the KV over when the forward that computes the prompt's last tokens is done, not
+    # at the request's end a step later. Only for a request that ends with that step (max_tokens 1,
+    # as the router sends), whose blocks are followed from the scheduler's output since it started.
+    early: bool = False
 
 
 class SchedulerSide:
     def __init__(self, block_size: int, signer: leg_params.ParamsSigner, offers: "OfferMaker | None" = None,
-                 timeline: Timeline = OFF):
+                 timeline: Timeline = OFF, async_scheduling: bool = False):
         self.block_size = block_size
+        # vLLM schedules step N+1 before step N's output is in: a prefill that ends in step N is
+        # handed over at step N+1's start (once we know N+1 did not preempt it), not after N's forward.
+        self.async_scheduling = async_scheduling
         self.signer = signer  # only the router's signed kv_transfer_params are acted on
         self.timeline = timeline
         self.offers = offers  # pull mode on P: None until the workers' handshake arrived
         self.legs: dict[str, Leg] = {}
         self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
-        self.rejected = 0  # requests whose kv_transfer_params we could not honour (not yet reported)
+        self.counts: Counter[str] = Counter()  # metrics (stats.COUNTS) since the last report
         self.unexpected: Counter[str] = Counter()  # transitions missing from the tables (bugs)
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
@@ -145,13 +162,13 @@ class SchedulerSide:
             try:
                 parsed = leg_params.parse(getattr(request, "kv_transfer_params", None), self.signer)
             except leg_params.BadTransferParams as exc:  # never raise on the engine loop
-                self.rejected += 1
+                self.counts["params_rejected"] += 1
                 log.warning("request %s runs without disaggregation: %s", request.request_id, exc)
                 return None
             if parsed is None:
                 return None
             if request.prompt_token_ids is None:  # prompt embeddings: nothing to name the KV by
-                self.rejected += 1
+                self.counts["params_rejected"] += 1
                 log.warning("request %s runs without disaggregation: a prompt given as embeddings",
                             request.request_id)
                 return None
@@ -159,7 +176,11 @@ class SchedulerSide:
             state: DecodeState | PrefillState = _P.PREFILLING if parsed.role == "prefill" else _D.NEW
             if parsed.role == "decode" and self.owner.get(key) in self.legs:
                 state = _D.FOLLOWING  # a sibling has (or is getting) this prompt's KV
-            leg = self.legs[request.request_id] = Leg(request.request_id, parsed, key, state)
+            leg = self.legs[request.request_id] = Leg(request.request_id, parsed, key, state,
+                                                      prompt_tokens=len(request.prompt_token_ids))
+            sampling = getattr(request, "sampling_params", None)
+            leg.early = (parsed.role == "prefill" and parsed.mode == "push"
+                         and getattr(sampling, "max_tokens", None) == 1)
             if state is _D.NEW:
                 self.owner[key] = request.request_id
             arrived = getattr(request, "arrival_time", None)
@@ -178,6 +199,7 @@ class SchedulerSide:
         key = (leg.state, event)
         if key not in table:
             self.unexpected[f"{leg.state.value}:{event.value}"] += 1
+            self.counts["connector_bugs"] += 1
             log.error("request %s: no transition from %s on %s (a bug; the leg is left as it is)",
                       leg.request_id, leg.state.value, event.value)
             return False
@@ -256,6 +278,16 @@ class SchedulerSide:
         # the prompt's KV is in the first blocks either way.
         block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
         finished = "ABORTED" not in status and "ERROR" not in status and bool(block_ids)
+        if leg.state is _P.HANDED_OFF:  # handed over when its last forward ended; the writer has them
+            if tuple(block_ids) != leg.block_ids and finished:
+                self.unexpected["early_blocks_differ"] += 1
+                self.counts["connector_bugs"] += 1
+                log.error("request %s: handed over blocks %s, vLLM ends it with %s (a bug)",
+                          request.request_id, leg.block_ids, block_ids)
+            if not finished:
+                self._step.abort.append(Abort(tid, "prefill", f"prefill request ended: {status}"))
+            self._fire(leg, _E.ENDED)
+            return True, None
         if finished and self.owner.get(tid, request.request_id) != request.request_id:
             answer = self.offered.get(tid)  # a sibling handed this prompt's KV over already
             self._fire(leg, _E.SIBLING_HANDED_OFF)
@@ -279,8 +311,63 @@ class SchedulerSide:
         return False, None
 
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
+        if scheduler_output is not None and any(leg.early for leg in self.legs.values()):
+            self._follow_prefills(scheduler_output)
         step, self._step = self._step, StepMetadata()
         return step
+
+    def _follow_prefills(self, out) -> None:
+        """P, push: follows the blocks of each prefill the scheduler runs, and hands them over in the
+        step whose forward computes the prompt's last tokens — after that forward (synchronous
+        scheduling), or at the next step's start unless that step preempted it (async scheduling,
+        where vLLM schedules step N+1 before step N's output, and so before the request's end)."""
+        scheduled, preempted = out.num_scheduled_tokens, out.preempted_req_ids or ()
+        new = {r.req_id: r for r in out.scheduled_new_reqs}
+        cached, index = out.scheduled_cached_reqs, None
+        for leg in [leg for leg in self.legs.values() if leg.early]:
+            rid = leg.request_id
+            if rid in preempted:  # its blocks are gone; what it gets next is not followed here
+                leg.early = False
+                if leg.state is _P.LAST_CHUNK:
+                    self._fire(leg, _E.PREEMPTED)
+                continue
+            if leg.state is _P.LAST_CHUNK:  # its forward is done by this step's start
+                self._hand_off_early(leg, after_forward=False)
+                continue
+            if leg.state is not _P.PREFILLING or not scheduled.get(rid):
+                continue
+            if rid in new:
+                request = new[rid]
+                leg.block_ids, computed = tuple(request.block_ids[0]), request.num_computed_tokens
+            else:
+                index = index or {r: i for i, r in enumerate(cached.req_ids)}
+                i = index[rid]
+                added = cached.new_block_ids[i]
+                if added is not None:
+                    resumed = rid in (cached.resumed_req_ids or ())
+                    leg.block_ids = tuple(added[0]) if resumed else leg.block_ids + tuple(added[0])
+                computed = cached.num_computed_tokens[i]
+            if computed + scheduled[rid] < leg.prompt_tokens:
+                continue
+            if self.async_scheduling:
+                self._fire(leg, _E.LAST_CHUNK)
+            else:
+                self._hand_off_early(leg, after_forward=True)
+
+    def _hand_off_early(self, leg: Leg, after_forward: bool) -> None:
+        leg.early = False
+        if self.owner.get(leg.key, leg.request_id) != leg.request_id:
+            return  # a sibling's KV is sent; this one is freed at its end
+        leg.block_ids = leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
+        self.owner[leg.key] = leg.request_id
+        self._fire(leg, _E.HANDED_OFF)
+        self.counts["early_hand_offs"] += 1
+        ready = KvReady(leg.key, leg.request_id, leg.block_ids)
+        if after_forward:  # the worker marks p_kv_ready when that forward is done
+            self._step.kv_ready_after_forward.append(ready)
+        else:
+            self._step.kv_ready.append(ready)
+            self.timeline.mark(leg.key, "p_kv_ready")
 
     def update_connector_output(self, output) -> None:
         failed = compat.failed_loads(output, {leg.request_id: leg.block_ids for leg in self.legs.values()
@@ -302,12 +389,12 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, Any] | None:
         """Since the last call: the blocks held for transfers now (P: handed to the writer; D:
-        registered or fenced) if that may have changed, and requests whose params were rejected;
-        None when neither (so idle steps cost nothing)."""
+        registered or fenced) if that may have changed, and its counts (rejected params, early
+        hand-offs, bugs); None when neither (so idle steps cost nothing)."""
         out: dict[str, Any] = {}
         if self._held_changed:
             self._held_changed = False
             out["held_blocks"] = sum(len(leg.block_ids) for leg in self.legs.values() if leg.state in HOLDING)
-        if self.rejected:
-            out["counts"], self.rejected = {"params_rejected": self.rejected}, 0
+        if self.counts:
+            out["counts"], self.counts = dict(self.counts), Counter()
         return out or None

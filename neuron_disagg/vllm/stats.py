@@ -27,6 +27,10 @@ COUNTS = {
     "messages_rejected": "wire messages refused (signature, version, size, schema)",
     "params_rejected": "requests whose kv_transfer_params were unsigned, forged, expired or malformed "
                        "(served as plain requests)",
+    "early_hand_offs": "P prefills handed to the writer when their last forward ended, a step before the "
+                       "request's end",
+    "connector_bugs": "scheduler-side events no state table allows, or early hand-offs whose blocks differ "
+                      "from vLLM's (each logged as an error; stays 0)",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
 }

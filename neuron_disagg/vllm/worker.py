@@ -79,6 +79,7 @@ class WorkerSide:
         self._told: dict[str, str] = {}  # D, policy fail: router transfer id -> why, for the client's error
         self._deltas = Deltas()                      # what earlier stats snapshots already sent
         self.step_us: list[float] = []               # connector time on the engine loop, per step
+        self._after_forward: list = []               # P: this step's KvReady for after its forward
 
     # -- start-up ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches, dims: dict[str, tuple[str, ...]], block_tokens: int) -> None:
@@ -170,12 +171,14 @@ class WorkerSide:
 
     # -- each engine step (engine loop: queue puts only) ----------------------------------------------
     def hand_off(self, step: StepMetadata) -> None:
+        """Before the step's forward."""
+        if self._after_forward:  # the last step's forward ended without after_forward (never seen)
+            self.after_forward()
         # One fence per step, recorded on the engine thread (never waited on here): the threads wait
         # on it before reading finished KV or letting anything land in freshly allocated blocks.
         fence = self.platform.wait_for_kv() if (step.kv_ready or step.register or step.read) else None
-        for ready in step.kv_ready:
-            self._track(ready.transfer_id, ready.request_id)
-            self.push.kv_ready(ready.transfer_id, ready.block_ids, fence)
+        self._to_writer(step.kv_ready, fence)
+        self._after_forward = step.kv_ready_after_forward
         for expected in step.expect:
             self.push.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
         for alloc in step.register:
@@ -211,6 +214,20 @@ class WorkerSide:
         for abort in step.abort:
             self.push.abort(abort.transfer_id, abort.reason)
             self.pull.abort(abort.transfer_id, abort.reason)
+
+    def after_forward(self) -> None:
+        """After the step's forward (vLLM's wait_for_save): prefills that forward completed go to the
+        writer now, not a step later, with a fence recorded behind the forward."""
+        ready, self._after_forward = self._after_forward, []
+        if ready:
+            self._to_writer(ready, self.platform.wait_for_kv())
+            for r in ready:
+                self.push.timeline.mark(r.transfer_id, "p_kv_ready")
+
+    def _to_writer(self, ready: list, fence) -> None:
+        for r in ready:
+            self._track(r.transfer_id, r.request_id)
+            self.push.kv_ready(r.transfer_id, r.block_ids, fence)
 
     def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
         """The verified offer, among the ones the router carried, for this prompt's transfer."""

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from ..vllm_envs import extra_env
-from .vllm_cluster import _compare, blocks_back, body, prompt, reference, run, running
+from .vllm_cluster import _compare, blocks_back, body, handed_over_early, metric, prompt, reference, run, running
 from .vllm_cluster import routed as routed_by_router
 
 pytestmark = pytest.mark.integration
@@ -45,7 +45,9 @@ def test_push_and_pull_through_the_router_equal_monolithic(cluster):
                 got[mode] = [a.json()["choices"][0]["text"] for a in answers]
         return want, got
 
+    early = metric(cluster.p, "neuron_disagg_early_hand_offs_total")
     with routed_by_router(cluster) as router:
         want, got = run(scenario(router.url))
     assert got == {"push": want, "pull": want}
+    handed_over_early(cluster, early, 2)
     blocks_back(cluster)

@@ -22,8 +22,8 @@ from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.local_cluster import free_port, router  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
-    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, kv_usage, legs,
-    metric, next_id, prompt, reference, run, wait_for,
+    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion,
+    handed_over_early, kv_usage, legs, metric, next_id, prompt, reference, run, wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -249,9 +249,11 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
                 streamed.append("".join(chunks))
         return want, [r.json()["choices"][0]["text"] for r in plain], streamed
 
+    early = metric(cluster.p, "neuron_disagg_early_hand_offs_total")
     want, plain, streamed = run(scenario())
     assert plain == want
     assert streamed == want
+    handed_over_early(cluster, early, 6)
     blocks_back(cluster)
 
 

@@ -157,6 +157,15 @@ def metric(instance, name: str) -> float:
     return total
 
 
+def handed_over_early(cluster: Cluster, before: float, routed_push: int) -> None:
+    """P handed each of ``routed_push`` more push prefills (one token each, as the router sends
+    them) to its writer when their forward ended, and neither side counted a bug."""
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_early_hand_offs_total") >= before + routed_push, 30,
+             f"{routed_push} early hand-offs on P")
+    assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
+    assert metric(cluster.d, "neuron_disagg_connector_bugs_total") == 0
+
+
 def nothing_held(cluster: Cluster, timeout_s: float = 15) -> None:
     """The connector's own gauge on each instance's /metrics comes back to no held blocks."""
     for instance in (cluster.p, cluster.d):

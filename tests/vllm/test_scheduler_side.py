@@ -43,6 +43,27 @@ def output(recving=(), sending=(), failed=(), failed_blocks=(5, 6, 7)):
 A, B = range(1, 41), range(100, 130)
 
 
+def one_token_request(request_id, status="FINISHED_LENGTH_CAPPED", tokens=A, params=PUSH_P, max_tokens=1):
+    """A P request as the router sends it: one token to generate, so it ends with its prefill."""
+    r = request(request_id, tokens, params, status)
+    r.sampling_params = SimpleNamespace(max_tokens=max_tokens)
+    return r
+
+
+def step(new=None, cached=None, scheduled=None, preempted=(), resumed=()):
+    """vLLM's SchedulerOutput as the connector reads it: ``new`` and ``cached`` map a request id to
+    (tokens computed before the step, its new blocks or None); ``scheduled`` to its tokens this step."""
+    new, cached = new or {}, cached or {}
+    return SimpleNamespace(
+        num_scheduled_tokens=dict(scheduled or {}), preempted_req_ids=set(preempted),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(list(b),))
+                            for r, (c, b) in new.items()],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(cached), resumed_req_ids=set(resumed),
+            num_computed_tokens=[c for c, _ in cached.values()],
+            new_block_ids=[None if b is None else (list(b),) for _, b in cached.values()]))
+
+
 def held(side):
     """The held-blocks gauge the scheduler side reports now (None: unchanged since the last report)."""
     return (side.stats() or {}).get("held_blocks")
@@ -185,6 +206,29 @@ def _p_at(state):
     return p, r
 
 
+def _p_last_chunk(sibling=False):
+    """An async-scheduling P whose request "0" had its prompt's last tokens scheduled (and a sibling
+    "1" of the same prompt, handed off already, when ``sibling``)."""
+    p = SchedulerSide(BLOCK, SIGNER, async_scheduling=True)
+    if sibling:
+        p.get_num_new_matched_tokens(one_token_request("1"), 0)
+        p.build_connector_meta(step(new={"1": (0, [8, 9, 10])}, scheduled={"1": 40}))
+        p.build_connector_meta(step())
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
+    assert p.legs["0"].state is PrefillState.LAST_CHUNK
+    return p, r
+
+
+def _p_handed_off_early():
+    p = SchedulerSide(BLOCK, SIGNER)
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
+    return p, r
+
+
 def _sibling_done(d, r):
     d.update_state_after_alloc(request("0", A, PUSH_D), blocks(5, 6, 7), 40)
     d.update_connector_output(output(recving={"0"}))  # the first one loaded
@@ -216,6 +260,17 @@ ROWS = {
         lambda p, r: p.request_finished(request("0", A, PUSH_P, "FINISHED_ABORTED"), [3, 4, 5]), END),
     (PrefillState.HANDED_OFF, LegEvent.SENT): (
         lambda: _p_at(PrefillState.HANDED_OFF), lambda p, r: p.update_connector_output(output(sending={"0"})), END),
+    (PrefillState.PREFILLING, LegEvent.LAST_CHUNK): (_p_last_chunk, None, PrefillState.LAST_CHUNK),
+    (PrefillState.LAST_CHUNK, LegEvent.HANDED_OFF): (
+        _p_last_chunk, lambda p, r: p.build_connector_meta(step()), PrefillState.HANDED_OFF),
+    (PrefillState.LAST_CHUNK, LegEvent.PREEMPTED): (
+        _p_last_chunk, lambda p, r: p.build_connector_meta(step(preempted={"0"})), PrefillState.PREFILLING),
+    (PrefillState.LAST_CHUNK, LegEvent.SIBLING_HANDED_OFF): (
+        lambda: _p_last_chunk(sibling=True), lambda p, r: p.request_finished(r, [3, 4, 5]), END),
+    (PrefillState.LAST_CHUNK, LegEvent.ENDED): (
+        _p_last_chunk, lambda p, r: p.request_finished(one_token_request("0", "FINISHED_ABORTED"), []), END),
+    (PrefillState.HANDED_OFF, LegEvent.ENDED): (
+        _p_handed_off_early, lambda p, r: p.request_finished(r, [3, 4, 5]), PrefillState.HANDED_OFF),
 }
 
 
@@ -257,3 +312,76 @@ def test_a_preempted_request_whose_kv_arrived_recomputes_from_its_own_cache_and_
     assert d.get_num_new_matched_tokens(r, 16) == (0, False)
     assert d.legs["0"].state is DecodeState.LOADED and not d.build_connector_meta(None)
     assert held(d) in (None, 0)
+
+
+# -- P hands a finished prefill over when its forward ends, not at the request's end ----------------
+def test_a_prefill_goes_to_the_writer_after_the_forward_that_ends_it():
+    p = SchedulerSide(BLOCK, SIGNER)
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    meta = p.build_connector_meta(step(new={"0": (0, [3, 4, 5, 6])}, scheduled={"0": 40}))
+    (ready,) = meta.kv_ready_after_forward  # the worker hands it over in wait_for_save
+    assert (ready.request_id, ready.block_ids) == ("0", (3, 4, 5)) and not meta.kv_ready
+    assert p.request_finished(r, [3, 4, 5, 6]) == (True, None)  # held until the writer is done
+    assert not p.build_connector_meta(step()) and not p.unexpected
+    p.update_connector_output(output(sending={"0"}))
+    assert not p.legs and not p.owner
+
+
+def test_a_chunked_prefill_is_handed_over_with_every_chunks_blocks():
+    p = SchedulerSide(BLOCK, SIGNER)
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    assert not p.build_connector_meta(step(new={"0": (0, [3])}, scheduled={"0": 16}))
+    assert not p.build_connector_meta(step(cached={"0": (16, [4])}, scheduled={"0": 16}))
+    assert not p.build_connector_meta(step(cached={"1": (0, [9])}, scheduled={"1": 16}))  # others' steps
+    (ready,) = p.build_connector_meta(step(cached={"0": (32, [5])}, scheduled={"0": 8})).kv_ready_after_forward
+    assert ready.block_ids == (3, 4, 5)
+    assert p.request_finished(r, [3, 4, 5]) == (True, None) and not p.unexpected
+
+
+def test_async_scheduling_hands_over_a_step_later_unless_that_step_preempted_it():
+    p, r = _p_last_chunk()
+    (ready,) = p.build_connector_meta(step()).kv_ready  # at the next step's start
+    assert ready.block_ids == (3, 4, 5)
+    p, r = _p_last_chunk()
+    assert not p.build_connector_meta(step(preempted={"0"}))  # its blocks were freed: nothing sent
+    assert not p.build_connector_meta(step(new={"0": (0, [7, 8, 9])}, scheduled={"0": 40}))
+    assert p.request_finished(r, [7, 8, 9]) == (True, None)  # computed again: sent at its end
+    assert p.build_connector_meta(step()).kv_ready[0].block_ids == (7, 8, 9)
+
+
+def test_a_request_ended_after_an_early_hand_off_stops_its_write_and_keeps_its_blocks_until_then():
+    p, r = _p_handed_off_early()
+    assert p.request_finished(one_token_request("0", "FINISHED_ABORTED"), [3, 4, 5]) == (True, None)
+    (abort,) = p.build_connector_meta(step()).abort
+    assert abort.role == "prefill" and held(p) == 3
+    p.update_connector_output(output(sending={"0"}))
+    assert not p.legs and held(p) == 0
+
+
+def test_only_a_one_token_push_prefill_is_handed_over_early():
+    for r in (one_token_request("0", max_tokens=2), request("0", A, PUSH_P, "FINISHED_LENGTH_CAPPED")):
+        p = SchedulerSide(BLOCK, SIGNER)
+        p.get_num_new_matched_tokens(r, 0)
+        assert not p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
+        assert p.request_finished(r, [3, 4, 5]) == (True, None)
+        assert p.build_connector_meta(step()).kv_ready[0].block_ids == (3, 4, 5)
+
+
+def test_blocks_that_differ_from_what_vllm_ends_the_request_with_are_a_counted_bug():
+    p, r = _p_handed_off_early()
+    assert p.request_finished(r, [3, 4, 7]) == (True, None)
+    assert p.unexpected == {"early_blocks_differ": 1}
+
+
+def test_a_sibling_that_finishes_its_prefill_later_is_freed_at_its_end():
+    p = SchedulerSide(BLOCK, SIGNER)
+    first, second = one_token_request("0"), one_token_request("1")
+    for r in (first, second):
+        p.get_num_new_matched_tokens(r, 0)
+    meta = p.build_connector_meta(step(new={"0": (0, [3, 4, 5]), "1": (0, [8, 9, 10])},
+                                       scheduled={"0": 40, "1": 40}))
+    assert [k.request_id for k in meta.kv_ready_after_forward] == ["0"]
+    assert p.request_finished(second, [8, 9, 10]) == (False, None)
+    assert p.request_finished(first, [3, 4, 5]) == (True, None) and not p.unexpected

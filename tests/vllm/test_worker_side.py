@@ -18,6 +18,7 @@ from neuron_disagg.protocol import PullOffer, RankRegions, Registration, Transfe
 from neuron_disagg.vllm.metadata import (  # noqa: E402
     Abort, AllocatedBlocks, Expect, KvReady, ReadOffer, StepMetadata,
 )
+from neuron_disagg.timeline import OFF  # noqa: E402
 from neuron_disagg.vllm.worker import WorkerSide  # noqa: E402
 
 SECRET = "worker-side-tests-secret-0123456789"
@@ -31,6 +32,7 @@ class Thread:
         self.calls: list[tuple] = []
         self.core = SimpleNamespace(counters=Counter())
         self.rejected: Counter = Counter()
+        self.timeline = OFF
 
     def __getattr__(self, name):
         return lambda *args: self.calls.append((name, *args))
@@ -124,3 +126,24 @@ def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_
     assert d.stats() is None  # nothing new
     d.step_us.append(42.0)
     assert d.stats()["step_us"] == [42.0]
+
+
+def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_a_fence(monkeypatch):
+    p = worker(monkeypatch, "prefill")
+    recorded: list[str] = []
+    p.platform = SimpleNamespace(wait_for_kv=lambda: recorded.append("fence") or f"fence {len(recorded)}")
+    p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
+    assert p.push.calls == [] and recorded == []  # its KV is still being computed
+    p.after_forward()
+    assert p.push.calls == [("kv_ready", TID, (1, 2), "fence 1")]  # a fence recorded behind the forward
+    p.after_forward()
+    assert len(p.push.calls) == 1
+    p._on_free(TID, (1, 2))
+    assert p.transfer_results({RID}) == ({RID}, set(), set())
+
+
+def test_one_vllm_did_not_call_after_the_forward_goes_at_the_next_step_start(monkeypatch):
+    p = worker(monkeypatch, "prefill")
+    p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
+    p.hand_off(StepMetadata())  # e.g. a runner that defers wait_for_save
+    assert [c[:3] for c in p.push.calls] == [("kv_ready", TID, (1, 2))]
