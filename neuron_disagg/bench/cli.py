@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
                    help="more `vllm serve` flags for every instance, quoted (prefix caching is off unless "
                         "these say --enable-prefix-caching)")
     p.add_argument("--results", type=Path, help="results directory (default ./bench-results/<time>)")
+    p.add_argument("--idle-seconds", type=float, default=10,
+                   help="per topology, measure each instance's CPU over this long with nothing to do (0: skip)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured pass per mode that absorbs kernel selection and NIXL handshakes")
     return p
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
             "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
             "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes,
-            "vllm_args": list(extra), "raw": str(raw_dir)}
+            "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     results: list[RunResult] = []
     points = len(args.modes) * len(loads)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -94,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         for group in groups(args.modes):
             progress.update(task, description=f"starting {' + '.join(group)}")
             try:
-                with started(group, server) as topo:
+                with started(group, server, idle_window_s=args.idle_seconds) as topo:
                     meta.setdefault("reniced_spinning_threads", {}).update(topo.reniced)
+                    meta.setdefault("idle_cpu_percent", {})[" + ".join(group)] = topo.idle_cpu
                     if any(topo.reniced.values()):
                         console.print(f"{' + '.join(group)}: reniced threads spinning while idle: {topo.reniced}")
                     results += _measure(group, topo, loads, model, raw_dir, not args.no_warmup, progress, task)
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         progress.advance(task)
     written = report.write(results, meta, out_dir)
     _print(console, results)
+    if meta.get("idle_cpu_percent"):
+        console.print(report.idle_line(meta["idle_cpu_percent"], args.idle_seconds))
     console.print("\n" + "\n".join(f"wrote {p}" for p in written))
     return 0 if all(r.error is None and r.failed == 0 for r in results) else 1
 

@@ -59,6 +59,14 @@ def table(results: list[RunResult]) -> list[list[str]]:
     return [header, *body]
 
 
+def idle_line(idle: dict[str, dict[str, float]], window_s: float | None) -> str:
+    """Idle CPU per instance, from ``meta["idle_cpu_percent"]`` (topology -> instance -> %)."""
+    parts = [f"{topology}: " + ", ".join(f"{name} {pct:.1f}%" for name, pct in instances.items())
+             for topology, instances in idle.items() if instances]
+    window = f" over {window_s:g} s" if window_s else ""
+    return f"Idle CPU (% of one core{window}, before any load): " + "; ".join(parts)
+
+
 def markdown(results: list[RunResult], meta: dict) -> str:
     header, *body = table(results)
     lines = [f"# neuron-disagg bench — {meta.get('started', '')}", "",
@@ -78,6 +86,8 @@ def markdown(results: list[RunResult], meta: dict) -> str:
         for r in broken:
             lines.append(f"| {r.mode} | {r.rate} | {r.input_len} | "
                          + " | ".join(_fmt(r.breakdown_ms.get(s), 1) for s in segments) + " |")
+    if meta.get("idle_cpu_percent"):
+        lines += ["", idle_line(meta["idle_cpu_percent"], meta.get("idle_seconds"))]
     errors = [r for r in results if r.error]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {r.mode} at {r.rate} req/s, input {r.input_len}: {r.error}"

@@ -1,5 +1,6 @@
 """Background threads that burn a core while their instance is idle, found by measuring and then
-reniced, so that on this 2-core machine they do not take the core their own model computes on.
+reniced, so that on this 2-core machine they do not take the core their own model computes on; and
+what each instance costs its core while it has nothing to do (``idle_cpu_percent``).
 
 Why: the benchmark gives each instance one core for all of its processes. vLLM's NIXL connectors
 start NIXL's progress thread, which polls without pause; on a real host it has a core of its own,
@@ -55,3 +56,14 @@ def renice_idle_spinners(pgid: int, window_s: float = 2.0, threshold: float = 0.
         except OSError:
             pass
     return [tid for _, tid in spinners]
+
+
+def idle_cpu_percent(pgids: dict[str, int], window_s: float) -> dict[str, float]:
+    """Per name, the percent of one core its process group (every process and thread of an
+    instance) used over ``window_s``, measured together while nothing is sent to any of them."""
+    def used(pgid: int) -> float:
+        return sum(_cpu_seconds(*t) for t in _group_threads(pgid))
+
+    before = {name: used(pgid) for name, pgid in pgids.items()}
+    time.sleep(window_s)
+    return {name: round(100 * (used(pgid) - before[name]) / window_s, 2) for name, pgid in pgids.items()}

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
                              router)
-from .spinners import renice_idle_spinners
+from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull")
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
@@ -50,6 +50,7 @@ class Running:
     decode: Instance | None = None
     timeline_dir: str | None = None  # set for our connector only: vLLM's marks no timeline
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
+    idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
 
 
 def groups(modes: list[str]) -> list[tuple[str, ...]]:
@@ -65,8 +66,10 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
 
 
 @contextmanager
-def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: float = 600) -> Iterator[Running]:
-    """Starts the topology for ``group``, yields it healthy, and stops everything it started."""
+def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: float = 600,
+            idle_window_s: float = 0) -> Iterator[Running]:
+    """Starts the topology for ``group``, yields it healthy, and stops everything it started; with
+    ``idle_window_s``, first measures what each instance uses of its core while idle that long."""
     running = _build(group, server)
     launched: list[Instance] = []
     try:
@@ -78,6 +81,8 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
             instance.wait_ready(ready_timeout_s)
         for instance in backends:  # idle now: what burns a core here would take its model's core
             running.reniced[instance.name] = len(renice_idle_spinners(instance.process.pid))
+        if idle_window_s:
+            running.idle_cpu = idle_cpu_percent({i.name: i.process.pid for i in backends}, idle_window_s)
         for instance in running.instances:
             if instance.name == "router":
                 launched.append(instance.start())

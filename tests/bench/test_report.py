@@ -42,6 +42,11 @@ def test_files_written(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| push | 1.00 | 512 | 150 | 300 | 12.0 | 0.50 |" in md
     assert "## TTFT breakdown" in md and "did not start: boom" in md
+    assert "Idle CPU" not in md  # not measured in this run
+    report.write(RESULTS, {"idle_cpu_percent": {"push + pull": {"prefill": 0.9, "decode": 1.14}},
+                           "idle_seconds": 10}, tmp_path)
+    assert ("Idle CPU (% of one core over 10 s, before any load): push + pull: prefill 0.9%, decode 1.1%"
+            in (tmp_path / "results.md").read_text())
     for png in ("latency-in512.png", "ttft-breakdown.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

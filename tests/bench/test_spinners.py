@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_disagg.bench.spinners import renice_idle_spinners
+from neuron_disagg.bench.spinners import idle_cpu_percent, renice_idle_spinners
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 
@@ -62,3 +62,19 @@ def test_a_group_that_is_gone_renices_nothing():
     child.wait(10)
     time.sleep(0.1)
     assert renice_idle_spinners(child.pid, window_s=0.1) == []
+
+
+def test_idle_cpu_counts_every_thread_of_the_group_a_spinner_near_a_whole_core_a_sleeper_near_none():
+    spinning = subprocess.Popen([sys.executable, "-c", CHILD, "background"], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        spinning.stdout.readline(), sleeping.stdout.readline()
+        used = idle_cpu_percent({"spinning": spinning.pid, "sleeping": sleeping.pid}, window_s=1.0)
+        assert used["spinning"] > 40  # a background thread's spin (another process may share the core)
+        assert used["sleeping"] < 5
+    finally:
+        for child in (spinning, sleeping):
+            os.killpg(child.pid, 9)
+            child.wait(10)
