@@ -183,3 +183,7 @@ class StateMachine(Generic[S, E, F, EntryT]):
 
     def live(self) -> list[EntryT]:
         return [e for e in self.entries.values() if e.state not in self.TERMINAL]
+
+    def has_live(self) -> bool:
+        """Any transfer not yet ended: only then can a deadline come due (tombstones wait)."""
+        return any(e.state not in self.TERMINAL for e in self.entries.values())

@@ -118,6 +118,7 @@ class PullReader(TransferThread):
 
 
 class PullLender(TransferThread):
+    idle_progress_s = 0.25  # D reads from our agent: it must progress even with nothing live here
     def __init__(self, core: LenderCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
         super().__init__(f"neuron-disagg-pull-lender-{core.tp_rank}", peers, **intervals)

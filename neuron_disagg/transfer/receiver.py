@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class PushReceiver(TransferThread):
+    idle_progress_s = 0.25  # P writes into our agent: it must progress even with nothing live here
     def __init__(self, core: ConsumerCore, transport: Transport, codec: WireCodec, peers: Peers,
                  on_loaded: Callable[[TransferId], None],
                  on_failed: Callable[[TransferId, str], None],

@@ -1,7 +1,10 @@
 """The life of every transfer thread (push writer, push receiver, pull reader, pull lender).
 
 Other threads only put items in the inbox (``inbox.py``). The thread takes items (waiting briefly
-when transfers are in flight, longer when idle), hands each to the handler its subclass registered
+when transfers are in flight, a tick while any transfer is live, and when none is, until the next
+item — or, for a thread whose agent peers write into or read from, ``idle_progress_s``: a peer may
+still be connecting to it, and LIBFABRIC moves only while the target's side is polled), hands each
+to the handler its subclass registered
 for its type, drives I/O progress with ``_poll``, and ticks its protocol core every
 ``tick_interval_s`` so deadlines fire. The core's actions are performed in order by the performer
 registered for each action type; what a performer must report back to the core (a write that
@@ -21,6 +24,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..protocol.actions import SendMessage, Transitioned
+from ..protocol.machine import StateMachine
 from ..timeline import OFF, Timeline
 from .peers import Peers
 
@@ -30,6 +34,8 @@ _STOP = object()
 
 class TransferThread:
     timeline: Timeline = OFF  # set before start() to record per-transfer timestamps
+    core: StateMachine        # the subclass's protocol core
+    idle_progress_s: float | None = None  # with nothing live: None sleeps until an inbox item
     def __init__(self, name: str, peers: Peers, tick_interval_s: float = 0.05,
                  poll_interval_s: float = 0.0005):
         self.peers = peers
@@ -65,7 +71,8 @@ class TransferThread:
             next_tick = 0.0
             while True:
                 try:
-                    item = self._inbox.get(timeout=self.poll_interval_s if self._busy() else self.tick_interval_s)
+                    item = self._inbox.get(timeout=self.poll_interval_s if self._busy() else
+                                           self.tick_interval_s if self.core.has_live() else self.idle_progress_s)
                     while True:
                         if item is _STOP:
                             return self._on_stop()

@@ -295,3 +295,40 @@ def test_the_receiver_polls_closely_only_once_p_says_it_is_writing(ranks):
     time.sleep(0.3)
     p.kv_ready(tid=list(dropped), blocks=[7, 8])
     d.wait("loaded", dropped, timeout=2 * receiver.tick_interval_s + 2)
+
+
+def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfer_is_live(ranks):
+    """An instance with nothing in flight must cost its core (almost) nothing: no tick, and the
+    receiver, whose agent P writes into, polls its transport only every ``idle_progress_s``. Ticks
+    (deadlines) run while any transfer is live; ended ones wait as tombstones, no tick needed."""
+    p, d = ranks("prefill"), ranks("decode")
+    counts = {}
+    for name, thread in (("writer", p.peer.thread), ("receiver", d.peer.thread)):
+        original = thread._poll
+        counts[name] = 0
+
+        def counting(original=original, name=name):
+            counts[name] += 1
+            original()
+        thread._poll = counting
+    time.sleep(0.1)
+    receiver = d.peer.thread
+    slow = 0.5 / receiver.idle_progress_s + 1
+
+    def idle_for(seconds):
+        before = dict(counts)
+        time.sleep(seconds)
+        assert counts["writer"] == before["writer"]  # ten ticks' worth of time, not one wake-up
+        assert counts["receiver"] - before["receiver"] <= slow
+        return before
+    before = idle_for(0.5)
+    tid = ("live", 0)
+    _register(d, p, tid, [1, 2])
+    time.sleep(0.5)
+    ticks = d.peer.thread.tick_interval_s
+    assert counts["receiver"] - before["receiver"] >= 0.25 / ticks  # live: deadlines are watched
+    assert counts["writer"] - before["writer"] >= 0.25 / ticks      # P holds D's registration
+    p.kv_ready(tid=list(tid), blocks=[3, 4])
+    d.wait("loaded", tid)
+    time.sleep(0.2)
+    idle_for(0.5)
