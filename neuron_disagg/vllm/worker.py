@@ -220,13 +220,16 @@ class WorkerSide:
         writer now, not a step later, with a fence recorded behind the forward."""
         ready, self._after_forward = self._after_forward, []
         if ready:
-            self._to_writer(ready, self.platform.wait_for_kv())
             for r in ready:
                 self.push.timeline.mark(r.transfer_id, "p_kv_ready")
+            self._to_writer(ready, self.platform.wait_for_kv())
 
     def _to_writer(self, ready: list, fence) -> None:
+        # The puts wake the writer last: once it runs, anything here that waits (a lock, a file
+        # write) may give it the GIL, and the engine loop waits out the writer's turn.
         for r in ready:
             self._track(r.transfer_id, r.request_id)
+        for r in ready:
             self.push.kv_ready(r.transfer_id, r.block_ids, fence)
 
     def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
