@@ -274,6 +274,7 @@ class SchedulerSide:
 
     def _prefill_finished(self, leg: Leg, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tid, status = leg.key, str(getattr(request, "status", ""))
+        leg.early = False  # ended: nothing left to follow
         # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
         # the prompt's KV is in the first blocks either way.
         block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]

@@ -349,6 +349,10 @@ def test_async_scheduling_hands_over_a_step_later_unless_that_step_preempted_it(
     assert not p.build_connector_meta(step(new={"0": (0, [7, 8, 9])}, scheduled={"0": 40}))
     assert p.request_finished(r, [7, 8, 9]) == (True, None)  # computed again: sent at its end
     assert p.build_connector_meta(step()).kv_ready[0].block_ids == (7, 8, 9)
+    p, r = _p_last_chunk()
+    assert p.request_finished(r, [3, 4, 5]) == (True, None)  # its output came in before the next step
+    assert p.build_connector_meta(step()).kv_ready[0].block_ids == (3, 4, 5)
+    assert not p.build_connector_meta(step()) and not any(leg.early for leg in p.legs.values())
 
 
 def test_a_request_ended_after_an_early_hand_off_stops_its_write_and_keeps_its_blocks_until_then():
