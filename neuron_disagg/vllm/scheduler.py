@@ -152,6 +152,7 @@ class SchedulerSide:
         self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
         self.counts: Counter[str] = Counter()  # metrics (stats.COUNTS) since the last report
+        self._following: dict[str, None] = {}  # P: legs followed for an early hand-off, in arrival order
         self.unexpected: Counter[str] = Counter()  # transitions missing from the tables (bugs)
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
@@ -181,6 +182,8 @@ class SchedulerSide:
             sampling = getattr(request, "sampling_params", None)
             leg.early = (parsed.role == "prefill" and parsed.mode == "push"
                          and getattr(sampling, "max_tokens", None) == 1)
+            if leg.early:
+                self._following[request.request_id] = None
             if state is _D.NEW:
                 self.owner[key] = request.request_id
             arrived = getattr(request, "arrival_time", None)
@@ -213,6 +216,7 @@ class SchedulerSide:
 
     def _forget(self, leg: Leg) -> None:
         del self.legs[leg.request_id]
+        self._stop_following(leg)
         self._held_changed |= leg.state in HOLDING
         if self.owner.get(leg.key) == leg.request_id:
             del self.owner[leg.key]
@@ -274,7 +278,7 @@ class SchedulerSide:
 
     def _prefill_finished(self, leg: Leg, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tid, status = leg.key, str(getattr(request, "status", ""))
-        leg.early = False  # ended: nothing left to follow
+        self._stop_following(leg)  # ended: nothing left to follow
         # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
         # the prompt's KV is in the first blocks either way.
         block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
@@ -312,7 +316,7 @@ class SchedulerSide:
         return False, None
 
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
-        if scheduler_output is not None and any(leg.early for leg in self.legs.values()):
+        if scheduler_output is not None and self._following:  # D's steps never walk their legs
             self._follow_prefills(scheduler_output)
         step, self._step = self._step, StepMetadata()
         return step
@@ -325,10 +329,10 @@ class SchedulerSide:
         scheduled, preempted = out.num_scheduled_tokens, out.preempted_req_ids or ()
         new = {r.req_id: r for r in out.scheduled_new_reqs}
         cached, index = out.scheduled_cached_reqs, None
-        for leg in [leg for leg in self.legs.values() if leg.early]:
+        for leg in [self.legs[rid] for rid in list(self._following)]:
             rid = leg.request_id
             if rid in preempted:  # its blocks are gone; what it gets next is not followed here
-                leg.early = False
+                self._stop_following(leg)
                 if leg.state is _P.LAST_CHUNK:
                     self._fire(leg, _E.PREEMPTED)
                 continue
@@ -355,8 +359,12 @@ class SchedulerSide:
             else:
                 self._hand_off_early(leg, after_forward=True)
 
-    def _hand_off_early(self, leg: Leg, after_forward: bool) -> None:
+    def _stop_following(self, leg: Leg) -> None:
         leg.early = False
+        self._following.pop(leg.request_id, None)
+
+    def _hand_off_early(self, leg: Leg, after_forward: bool) -> None:
+        self._stop_following(leg)
         if self.owner.get(leg.key, leg.request_id) != leg.request_id:
             return  # a sibling's KV is sent; this one is freed at its end
         leg.block_ids = leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
