@@ -25,7 +25,7 @@ from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, 
                      sse_error_event)
 from .ids import format_transfer_id
 from .instances import Instance, InstancePool, Role
-from .legs import DecodeLeg, prefill_leg
+from .legs import DecodeLeg, Upstream, prefill_leg
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, pull_decode_params,
                        push_decode_params, require_signer)
@@ -64,9 +64,9 @@ async def _cancel(*tasks: asyncio.Task) -> None:
 
 
 class Flows:
-    def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, settings: RouterSettings,
+    def __init__(self, pool: InstancePool, upstream: Upstream, settings: RouterSettings,
                  metrics: RouterMetrics, signer: ParamsSigner | None):
-        self.pool, self.session, self.settings, self.metrics = pool, session, settings, metrics
+        self.pool, self.upstream, self.settings, self.metrics = pool, upstream, settings, metrics
         self.signer = signer  # signs our modes' kv_transfer_params; None: vLLM's connectors only
         self.timeline = Timeline(settings.timeline_dir, "router")
         self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
@@ -213,7 +213,7 @@ class Flows:
                        mode: Mode, body: dict[str, Any] | None = None) -> dict[str, Any]:
         with self.pool.lease(p, req.prompt_tokens):
             try:
-                return await prefill_leg(self.session, p, req.path, body or prefill_body(req, mode, tid, self.signer),
+                return await prefill_leg(self.upstream, p, req.path, body or prefill_body(req, mode, tid, self.signer),
                                          {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
             except RouterError as exc:
                 self._failed(ctx, tid, exc)
@@ -222,7 +222,7 @@ class Flows:
     def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance, tid: str,
                     params: dict[str, Any]) -> DecodeLeg:
         s = self.settings
-        return DecodeLeg(self.session, self.pool, d, req.path, decode_body(req, params), tid,
+        return DecodeLeg(self.upstream, self.pool, d, req.path, decode_body(req, params), tid,
                          {**ctx.headers, "X-Request-Id": tid},
                          connect_timeout_s=s.connect_timeout_s,
                          first_byte_timeout_s=s.decode_first_byte_timeout_s,

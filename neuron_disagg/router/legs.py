@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     async def _within(awaitable: Awaitable[bytes], timeout_s: float) -> bytes:
         return await asyncio.wait_for(awaitable, timeout_s)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The router's client sessions. ``pooled`` keeps connections to instances alive between legs;
+    ``fresh`` opens a new connection for each request, for sending a leg once more after the
+    instance dropped its kept-alive connection unanswered — the pool's other idle connections to
+    it are as likely stale (a server resuming from a pause drops all of them at once), and a second
+    stale one would fail the leg for good."""
+
+    pooled: aiohttp.ClientSession
+    fresh: aiohttp.ClientSession
+
+    async def close(self) -> None:
+        await asyncio.gather(self.pooled.close(), self.fresh.close())
 
 
 def _snippet(raw: bytes, limit: int = 300) -> str:
@@ -82,13 +98,13 @@ def _reset_unanswered(exc: BaseException) -> bool:
         isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE))
 
 
-async def prefill_leg(session: aiohttp.ClientSession, inst: Instance, path: str,
+async def prefill_leg(upstream: Upstream, inst: Instance, path: str,
                       body: dict[str, Any], headers: dict[str, str],
                       timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
     """Sends P its leg and returns P's JSON answer (push drains it, pull reads its
     ``kv_transfer_params``). Cancelling the caller closes the connection, and vLLM aborts."""
     url = inst.url + path
-    for attempt in (1, 2):
+    for attempt, session in ((1, upstream.pooled), (2, upstream.fresh)):
         try:
             async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                 raw = await resp.read()
@@ -119,12 +135,12 @@ class DecodeLeg:
     abort it and D's connector free its blocks) and releases the router's lease on D. The flow
     always calls ``close``."""
 
-    def __init__(self, session: aiohttp.ClientSession, pool: InstancePool, inst: Instance,
+    def __init__(self, upstream: Upstream, pool: InstancePool, inst: Instance,
                  path: str, body: dict[str, Any], transfer_id: str, headers: dict[str, str], *,
                  connect_timeout_s: float, first_byte_timeout_s: float, idle_timeout_s: float):
         self.inst = inst
         self.transfer_id = transfer_id
-        self._session, self._pool = session, pool
+        self._upstream, self._pool = upstream, pool
         self._url, self._body, self._headers = inst.url + path, body, headers
         self._connect_timeout_s = connect_timeout_s
         self._first_byte_timeout_s = first_byte_timeout_s
@@ -145,15 +161,15 @@ class DecodeLeg:
     async def _open(self, stream: bool) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
         try:
-            self._resp = resp = await self._session.post(self._url, json=self._body,
-                                                         headers=self._headers, timeout=timeout)
+            self._resp = resp = await self._upstream.pooled.post(self._url, json=self._body,
+                                                                 headers=self._headers, timeout=timeout)
         except aiohttp.ClientError as exc:
             if not _reset_unanswered(exc):
                 raise
             log.warning("decode instance %s dropped the connection before answering (%s); sending "
                         "the leg again", self.inst.url, exc)
-            self._resp = resp = await self._session.post(self._url, json=self._body,
-                                                         headers=self._headers, timeout=timeout)
+            self._resp = resp = await self._upstream.fresh.post(self._url, json=self._body,
+                                                                headers=self._headers, timeout=timeout)
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", self.content_type)
         if resp.status >= 400:

@@ -17,6 +17,7 @@ from ..kv_params import ParamsSigner
 from .app import STATE, build_app
 from .flows import Flows
 from .health import HealthMonitor
+from .legs import Upstream
 from .instances import Instance, InstancePool
 from .metrics import RouterMetrics
 from .settings import RouterSettings
@@ -45,12 +46,18 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     """Lives as long as the app: one pooled client session for every leg, and the health loop."""
     state = app[STATE]
     s = state.settings
-    connector = aiohttp.TCPConnector(limit=s.upstream_connection_limit, limit_per_host=0)
-    # No total timeout on the session: each leg sets its own (a stream may last many minutes).
-    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
-        total=None, sock_connect=s.connect_timeout_s))
+    # No total timeout on the sessions: each leg sets its own (a stream may last many minutes).
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s)
+    # Idle connections are let go before the instance's own keep-alive timeout ends them: a request
+    # sent on one the instance is closing at that moment is dropped unanswered.
+    pooled = aiohttp.TCPConnector(limit=s.upstream_connection_limit, limit_per_host=0,
+                                  keepalive_timeout=s.upstream_keepalive_s)
+    session = aiohttp.ClientSession(connector=pooled, timeout=timeout)
+    fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+        limit=s.upstream_connection_limit, limit_per_host=0, force_close=True), timeout=timeout)
+    upstream = Upstream(session, fresh)
     state.session = session
-    state.flows = Flows(state.pool, session, s, state.metrics, state.signer)
+    state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer)
     state.health = HealthMonitor(state.pool, session, s)
     await state.health.check_all()  # eject what is down before the first request
     health_task = asyncio.create_task(state.health.run(), name="router-health")
@@ -60,7 +67,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         health_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await health_task
-        await session.close()
+        await upstream.close()
         state.session = state.flows = state.health = None
 
 

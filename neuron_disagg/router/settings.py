@@ -48,6 +48,9 @@ class RouterSettings(BaseModel):
     prefill_retries: int = Field(1, ge=0, le=5, description="P legs retried on another P")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     upstream_connection_limit: int = Field(0, ge=0, description="0: unlimited")
+    # vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default).
+    upstream_keepalive_s: float = Field(4.0, gt=0, le=3600, description="idle upstream connections are "
+                                        "closed after this; keep it below the instances' keep-alive timeout")
     timeline_dir: str | None = Field(None, min_length=1, description="append each transfer's arrival "
                                      "and first-byte times here (see neuron_disagg.timeline)")
 

@@ -87,7 +87,7 @@ def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster,
             return want, answers, time.monotonic() - stopped
 
     want, answers, took = run(scenario())
-    assert [a.status_code for a in answers] == [200] * len(texts), [a.text for a in answers]
+    assert [a.status_code for a in answers] == [200] * len(texts), [a.text for a in answers if a.status_code != 200]
     got = [a.json()["choices"][0]["text"] for a in answers]
     bound = paused_s + D_BOUND_S + 10
     freed = wait_for(lambda: all(_nothing_in_use(hung[role]) for role in ("prefill", "decode")),

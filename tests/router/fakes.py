@@ -75,6 +75,11 @@ class FakeVllm:
         self.stream_then_die_after: int | None = None  # D: break the connection after N chunks
         self.omit_kv_params = False              # P in pull mode: answer without them
         self.reset_next = 0                      # drop this many requests' connections unanswered
+        # drop, unanswered, a request on a connection an earlier request used (as a server resuming
+        # from a pause longer than its keep-alive timeout drops every idle one); new ones are served
+        self.drop_kept_alive = False
+        self._used_connections: set = set()      # their aiohttp protocols (held: a test is short)
+        self.dropped = 0                         # requests dropped so (reset_next aside)
         self.health_ok = True
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0  # what /metrics says
         self.port = 0
@@ -97,7 +102,7 @@ class FakeVllm:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> "FakeVllm":
-        app = web.Application()
+        app = web.Application(middlewares=[self._connection_seen])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
@@ -118,6 +123,17 @@ class FakeVllm:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _connection_seen(self, request: web.Request, handler):
+        kept_alive = request.protocol in self._used_connections
+        self._used_connections.add(request.protocol)
+        if kept_alive and self.drop_kept_alive:
+            self.dropped += 1
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.Event().wait()
+        return await handler(request)
 
     # -- endpoints --------------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:

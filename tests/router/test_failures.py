@@ -161,6 +161,26 @@ async def test_a_leg_whose_connection_is_dropped_unanswered_is_sent_once_more():
             assert status == 502 and answer["error"]["code"] == "prefill_disconnected", answer
 
 
+async def test_a_leg_sent_once_more_goes_out_on_a_new_connection():
+    """An instance resuming from a long pause drops every kept-alive connection at once, so the
+    router's second send must not take another idle one from its pool (in CI it did: the leg
+    failed with 502 prefill_disconnected)."""
+    for mode in ("push", "pull"):
+        for role in ("prefill", "decode"):
+            async with cluster(prefill=1, decode=1, mode=mode) as c:
+                fake = (c.prefills if role == "prefill" else c.decodes)[0]
+                hold = fake.hold = asyncio.Event()  # four legs at once: four connections in the pool
+                tasks = [asyncio.create_task(c.post("/v1/completions", completion())) for _ in range(4)]
+                await until(lambda: fake.active == 4, f"four legs held on {role}")
+                fake.hold = None
+                hold.set()
+                assert [(await task)[0] for task in tasks] == [200] * 4
+                fake.drop_kept_alive = True
+                status, _, answer = await c.post("/v1/completions", completion())
+                assert status == 200, (mode, role, answer)
+                assert fake.dropped == 1  # sent on a kept-alive connection first, then on a new one
+
+
 async def test_decodes_kv_transfer_failure_reaches_the_client_with_its_reason():
     """D under kv_load_failure_policy: fail answers 500 saying why its KV did not come
     (neuron_disagg/vllm/failures.py): the client gets that reason, not "answered 500: {...}"."""
