@@ -16,7 +16,7 @@ from .errors import (
 )
 from .messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, ReadDone, ReadFailed, Message, RankRegions, Region, Registration, TransferId,
-    WriteDone, WriteFailed, WriteStarting,
+    Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from .plan import WritePlan, peer_ranks, plan_write
 from .producer import ProducerCore, ProducerTimeouts, PState

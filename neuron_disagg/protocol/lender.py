@@ -32,6 +32,7 @@ class LEvent(enum.Enum):
     ABORT = "abort"
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
+    WITHDRAWN = "withdrawn"    # the router: no D took the request, so nobody reads (Withdraw)
 
 
 class LEffect(enum.Enum):
@@ -51,10 +52,13 @@ LENDER_TABLE: dict[tuple[LState, LEvent], Rule] = {
     (_L.HELD, _LE.ABORT): Rule(None, (_LF.DROP,)),  # a reader may be mid-READ: the lease decides
     (_L.HELD, _LE.SUPERSEDED): Rule(None),          # likewise
     (_L.NEW, _LE.SUPERSEDED): Rule(_L.RELEASED, (), "superseded by a newer attempt"),
+    (_L.HELD, _LE.WITHDRAWN): Rule(_L.RELEASED, (_LF.FREE_BLOCKS,),
+                                   "withdrawn by the router: no decode instance took the request"),
 }
 for _end in (_L.RELEASED, _L.EXPIRED):
     LENDER_TABLE.update({(_end, e): Rule(None, (_LF.DROP,)) for e in (_LE.CONFIRMED, _LE.ALL_CONFIRMED, _LE.ABORT)})
     LENDER_TABLE[(_end, _LE.SUPERSEDED)] = Rule(None)
+    LENDER_TABLE[(_end, _LE.WITHDRAWN)] = Rule(None)
     LENDER_TABLE[(_end, _LE.OFFER)] = Rule(None, (_LF.FREE_LATE_BLOCKS,))  # nobody will read it
 
 
@@ -91,7 +95,15 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
     def offer(self, offer: PullOffer, now: float) -> list:
         """Prefill finished; ``offer`` (built by the caller) lends its blocks to whoever reads."""
         step = Step(self._clock(now), payload=offer)
-        self._fire(self._entry(offer.transfer_id, step, create=True), LEvent.OFFER, step)
+        entry = self._entry(offer.transfer_id, step, create=True)
+        self._fire(entry, LEvent.OFFER, step)
+        self._if_withdrawn(entry, LEvent.WITHDRAWN, step)
+        return step.actions
+
+    def withdraw(self, transfer_id: TransferId, reason: str, now: float) -> list:
+        """The router: no D takes the router's transfer ``transfer_id``, so nobody will read."""
+        step = Step(self._clock(now), reason=reason)
+        self._withdraw(transfer_id, LEvent.WITHDRAWN, step)
         return step.actions
 
     def confirmed(self, message: ReadDone | ReadFailed, now: float) -> list:

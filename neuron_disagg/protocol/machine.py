@@ -80,6 +80,7 @@ class StateMachine(Generic[S, E, F, EntryT]):
         self._now = float("-inf")
         self._latest_attempt: dict[str, int] = {}
         self._attempts: dict[str, set[TransferId]] = {}  # request -> its attempts we hold
+        self._withdrawn: dict[TransferId, float] = {}      # router attempts no D takes -> when told
 
     # -- time ------------------------------------------------------------------------------------
     def _clock(self, now: float) -> float:
@@ -158,6 +159,19 @@ class StateMachine(Generic[S, E, F, EntryT]):
     def _drop(self, what: str) -> None:
         self.counters[f"dropped:{what}"] += 1
 
+    # -- the router's Withdraw -------------------------------------------------------------------
+    def _withdraw(self, attempt: TransferId, event: E, step: Step) -> None:
+        """Fires ``event`` on every transfer of the router's ``attempt`` held now; one that begins
+        later (its KV computed after the Withdraw came) gets it as it begins (``_if_withdrawn``)."""
+        self._withdrawn[attempt] = step.now
+        for entry in list(self.entries.values()):
+            if entry.transfer_id.router_attempt() == attempt:
+                self._fire(entry, event, step)
+
+    def _if_withdrawn(self, entry: EntryT, event: E, step: Step) -> None:
+        if self._withdrawn and entry.transfer_id.router_attempt() in self._withdrawn:
+            self._fire(entry, event, step)
+
     # -- time passes -----------------------------------------------------------------------------
     def _tick(self, now: float) -> list[Action]:
         """Fire every lapsed deadline and forget tombstones older than ``tombstone_s``."""
@@ -166,6 +180,9 @@ class StateMachine(Generic[S, E, F, EntryT]):
             self._expire_if_due(entry, step)
             if entry.ended_at is not None and step.now - entry.ended_at >= self._tombstone_s:
                 self._forget(entry.transfer_id)
+        for attempt, told in list(self._withdrawn.items()):
+            if step.now - told >= self._tombstone_s:
+                del self._withdrawn[attempt]
         return step.actions
 
     def _forget(self, transfer_id: TransferId) -> None:

@@ -3,6 +3,7 @@
 Direction D -> P: Registration, Heartbeat, Cancel.
 Direction P -> D: WriteDone (rides on the WRITE itself as its completion notification),
 WriteFailed, CancelAck.
+Router -> P: Withdraw (no D took the request; what P holds for it is freed).
 
 Times are Unix seconds from the sender's clock; deployments keep clocks in sync (chrony on AWS) and
 every deadline derived from a remote time is padded by ``clock_skew_allowance_s``.
@@ -31,6 +32,11 @@ class TransferId(msgspec.Struct, frozen=True, array_like=True):
 
     def supersedes(self, other: "TransferId") -> bool:
         return self.request == other.request and self.attempt > other.attempt
+
+    def router_attempt(self) -> "TransferId":
+        """The router's transfer id this one belongs to: the connector names each engine request's
+        transfer ``f"{router request}/{prompt digest}"`` (the router's ids never hold a "/")."""
+        return TransferId(self.request.partition("/")[0], self.attempt)
 
 
 class Region(msgspec.Struct, frozen=True):
@@ -215,7 +221,17 @@ class ReadFailed(msgspec.Struct, frozen=True, tag="read_failed"):
     reason: str
 
 
+class Withdraw(msgspec.Struct, frozen=True, tag="withdraw"):
+    """Router -> every P rank: no decode instance will take the KV of the router's transfer
+    ``transfer_id`` (D refused the request, e.g. for a parameter P's one-token leg does not carry,
+    or could not be reached). P frees, now or as soon as it is computed, the KV every engine request
+    of it holds for a registration or a read that will never come, instead of holding it a lease."""
+
+    transfer_id: TransferId  # the router's; engine requests' transfers match by router_attempt()
+    reason: str
+
+
 Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
-                CancelAck, AgentInfoRequest, AgentInfo]
+                CancelAck, AgentInfoRequest, AgentInfo, Withdraw]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

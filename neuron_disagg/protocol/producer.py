@@ -54,6 +54,7 @@ class PEvent(enum.Enum):
     ABORT = "abort"
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
+    WITHDRAWN = "withdrawn"  # the router: no D takes this request (Withdraw)
 
 
 class PEffect(enum.Enum):
@@ -101,6 +102,11 @@ TABLE: dict[tuple[PState, PEvent], Rule] = {
         S.FAILED, (F.FREE_BLOCKS, F.FAIL), "lease expired: no registration or heartbeat from decode"),
     (S.AWAITING_REGISTRATION, E.SUPERSEDED): _R(
         S.CANCELLED, (F.FREE_BLOCKS,), "superseded by a newer attempt"),
+    (S.AWAITING_REGISTRATION, E.WITHDRAWN): _R(
+        S.CANCELLED, (F.FREE_BLOCKS,), "withdrawn by the router: no decode instance took the request"),
+    (S.AWAITING_KV, E.WITHDRAWN): _R(None, (F.DROP,)),  # a D registered: it took the request after all
+    (S.WRITING, E.WITHDRAWN): _R(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.WITHDRAWN): _R(None, (F.DROP,)),
     # -- our write is in flight: our blocks stay held until it ends ----------------------------
     (S.WRITING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # WriteDone rode on the write
     (S.WRITING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
@@ -132,6 +138,7 @@ for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLE
         (_end, E.HEARTBEAT): _R(None, (F.DROP,)),
         (_end, E.ABORT): _R(None, (F.DROP,)),
         (_end, E.SUPERSEDED): _R(None),
+        (_end, E.WITHDRAWN): _R(None),
         # A completion racing our own abort of the write (ABORT_WRITE on expiry).
         (_end, E.WRITE_DONE): _R(None, (F.DROP,)),
         (_end, E.WRITE_FAILED): _R(None, (F.DROP,)),
@@ -226,7 +233,15 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
     def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], now: float) -> list[Action]:
         """Prefill finished; ``block_ids`` (exactly the prompt's blocks) are ours to free."""
         step = Step(self._clock(now), payload=tuple(block_ids))
-        self._fire(self._entry(transfer_id, step, create=True), PEvent.KV_READY, step)
+        entry = self._entry(transfer_id, step, create=True)
+        self._fire(entry, PEvent.KV_READY, step)
+        self._if_withdrawn(entry, PEvent.WITHDRAWN, step)
+        return step.actions
+
+    def withdraw(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
+        """The router: no D takes the router's transfer ``transfer_id``; free what waits for it."""
+        step = Step(self._clock(now), reason=reason)
+        self._withdraw(transfer_id, PEvent.WITHDRAWN, step)
         return step.actions
 
     def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:

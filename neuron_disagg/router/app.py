@@ -28,6 +28,7 @@ from .legs import transport_error
 from .metrics import RouterMetrics
 from .requests import parse_client_request
 from .settings import RouterSettings
+from ..protocol.wire import WireCodec
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RouterState:
     metrics: RouterMetrics
     side_channel_port: int
     signer: ParamsSigner | None = None  # signs our modes' kv_transfer_params
+    codec: WireCodec | None = None      # signs Withdraw messages to P (withdraw.py)
     session: aiohttp.ClientSession | None = None
     flows: Flows | None = None
     health: HealthMonitor | None = None
@@ -230,10 +232,11 @@ async def _remove_instance(request: web.Request) -> web.Response:
 
 
 def build_app(settings: RouterSettings, pool: InstancePool, metrics: RouterMetrics,
-              side_channel_port: int, signer: ParamsSigner | None = None) -> web.Application:
+              side_channel_port: int, signer: ParamsSigner | None = None,
+              codec: WireCodec | None = None) -> web.Application:
     # client_max_size is a backstop; _read_body answers 413 with a clearer message first.
     app = web.Application(middlewares=[_request_context], client_max_size=settings.max_body_bytes)
-    app[STATE] = RouterState(settings, pool, metrics, side_channel_port, signer)
+    app[STATE] = RouterState(settings, pool, metrics, side_channel_port, signer, codec)
     app.on_response_prepare.append(_stamp_request_id)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _completions)

@@ -15,6 +15,7 @@ import sys
 
 from ..config import Config, ConfigError
 from ..kv_params import ParamsSigner
+from ..protocol.wire import WireCodec
 from .instances import Instance, InstanceSpecError, parse_instance_spec
 from .server import start_router
 from .settings import MODES, RouterSettings
@@ -98,8 +99,9 @@ def _signer(config: Config, mode: str) -> ParamsSigner | None:
 async def _serve(settings: RouterSettings, instances: list[Instance], config: Config,
                  signer: ParamsSigner | None, host: str, port: int) -> None:
     log = logging.getLogger("neuron_disagg.router")
+    codec = WireCodec(config.load_secret(), config.max_message_bytes) if signer is not None else None
     router = await start_router(settings, instances, host=host, port=port,
-                                side_channel_port=config.side_channel_port, signer=signer)
+                                side_channel_port=config.side_channel_port, signer=signer, codec=codec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

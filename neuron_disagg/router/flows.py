@@ -26,6 +26,7 @@ from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, 
 from .ids import format_transfer_id
 from .instances import Instance, InstancePool, Role
 from .legs import DecodeLeg, Upstream, prefill_leg
+from .withdraw import Withdrawals
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, pull_decode_params,
                        push_decode_params, require_signer)
@@ -65,9 +66,11 @@ async def _cancel(*tasks: asyncio.Task) -> None:
 
 class Flows:
     def __init__(self, pool: InstancePool, upstream: Upstream, settings: RouterSettings,
-                 metrics: RouterMetrics, signer: ParamsSigner | None):
+                 metrics: RouterMetrics, signer: ParamsSigner | None,
+                 withdrawals: Withdrawals | None = None):
         self.pool, self.upstream, self.settings, self.metrics = pool, upstream, settings, metrics
         self.signer = signer  # signs our modes' kv_transfer_params; None: vLLM's connectors only
+        self.withdrawals = withdrawals  # tells P what no D took (our modes); None: P's lease does
         self.timeline = Timeline(settings.timeline_dir, "router")
         self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
                                                 sock_connect=settings.connect_timeout_s)
@@ -133,7 +136,11 @@ class Flows:
             try:
                 done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
                 if d_task in done or p_task.exception() is None:
-                    await d_task  # D's failure is the request's failure; P is cancelled below
+                    try:
+                        await d_task  # D's failure is the request's failure; P is cancelled below
+                    except (RouterError, UpstreamRejected) as exc:
+                        self._withdraw_if_untaken(req, p, d, tid, exc)
+                        raise
                     committed = True
                     return d_leg, p_task
                 # P failed before D sent anything. D would wait for KV that never comes: close its
@@ -173,20 +180,25 @@ class Flows:
                                 tid, p.url, getattr(exc, "code", exc))
                 self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
             attempt += 1
-        p_params = [answer.get("kv_transfer_params") for answer in answers]
-        wanted = dict if req.mode == "vllm-pull" else _has_offer
-        if not all(isinstance(params, dict) and wanted(params) for params in p_params):
-            self.metrics.failures.labels("prefill_no_kv_transfer_params").inc()
-            raise UpstreamFailed(
-                f"prefill instance {p.url} answered without its kv_transfer_params offer (got "
-                f"{[type(params).__name__ for params in p_params]}); is it running the neuron_disagg connector?",
-                code="prefill_no_kv_transfer_params", instance=p)
-        d = self._pick("decode")  # late decode choice: the point of pull
-        d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params, self.signer))
-        try:
-            await self._open_decode(d_leg, req, ctx, tid)
-        except BaseException:
-            d_leg.close()
+        d: Instance | None = None
+        try:  # P holds what it offered until a D reads it, or we say none will
+            p_params = [answer.get("kv_transfer_params") for answer in answers]
+            wanted = dict if req.mode == "vllm-pull" else _has_offer
+            if not all(isinstance(params, dict) and wanted(params) for params in p_params):
+                self.metrics.failures.labels("prefill_no_kv_transfer_params").inc()
+                raise UpstreamFailed(
+                    f"prefill instance {p.url} answered without its kv_transfer_params offer (got "
+                    f"{[type(params).__name__ for params in p_params]}); is it running the neuron_disagg connector?",
+                    code="prefill_no_kv_transfer_params", instance=p)
+            d = self._pick("decode")  # late decode choice: the point of pull
+            d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params, self.signer))
+            try:
+                await self._open_decode(d_leg, req, ctx, tid)
+            except BaseException:
+                d_leg.close()
+                raise
+        except (RouterError, UpstreamRejected) as exc:
+            self._withdraw_if_untaken(req, p, d, tid, exc)
             raise
         return d_leg
 
@@ -202,6 +214,19 @@ class Flows:
         With no other healthy P the client gets P's own failure, not a "no instance" 503."""
         return (isinstance(exc, UpstreamFailed) and attempt < self.settings.prefill_retries
                 and any(i not in tried for i in self.pool.healthy("prefill")))
+
+    def _withdraw_if_untaken(self, req: ClientRequest, p: Instance, d: Instance | None, tid: str,
+                             exc: BaseException) -> None:
+        """P computed (or is computing) the prompt for a D that never got the request: D refused it
+        (4xx), could not be reached, or none was sent (``d`` is None). Tell P (``withdraw.py``)."""
+        if self.withdrawals is None or req.mode.startswith("vllm-"):
+            return
+        if d is not None and not (isinstance(exc, UpstreamRejected) or getattr(exc, "unreachable", False)):
+            return  # D may have registered or be reading: its own Cancel, ReadFailed or P's lease end it
+        why = (f"decode instance {d.url} refused the request" if isinstance(exc, UpstreamRejected)
+               else f"no decode instance got the request ({getattr(exc, 'code', type(exc).__name__)})")
+        self.withdrawals.withdraw(p, tid, why)
+        self.metrics.withdrawals.inc()
 
     def _failed(self, ctx: RequestContext, tid: str, exc: RouterError) -> None:
         self.metrics.failures.labels(exc.code).inc()

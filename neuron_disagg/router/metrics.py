@@ -34,6 +34,8 @@ class RouterMetrics:
                                registry=r)
         self.failures = Counter(p + "failures", "Failed legs and requests by reason", ["reason"],
                                 registry=r)
+        self.withdrawals = Counter(p + "withdrawals", "Requests whose KV P was told no decode instance "
+                                   "will take (D refused the request or was never sent it)", registry=r)
         self._children: dict[Instance, tuple[Any, Any, Any]] = {}
 
     def instance_changed(self, inst: Instance) -> None:

@@ -14,10 +14,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ..kv_params import ParamsSigner
+from ..protocol.wire import WireCodec
 from .app import STATE, build_app
 from .flows import Flows
 from .health import HealthMonitor
 from .legs import Upstream
+from .withdraw import Withdrawals
 from .instances import Instance, InstancePool
 from .metrics import RouterMetrics
 from .settings import RouterSettings
@@ -57,7 +59,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         limit=s.upstream_connection_limit, limit_per_host=0, force_close=True), timeout=timeout)
     upstream = Upstream(session, fresh)
     state.session = session
-    state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer)
+    withdrawals = Withdrawals(state.codec) if state.codec is not None else None
+    state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer, withdrawals)
     state.health = HealthMonitor(state.pool, session, s)
     await state.health.check_all()  # eject what is down before the first request
     health_task = asyncio.create_task(state.health.run(), name="router-health")
@@ -68,21 +71,25 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await health_task
         await upstream.close()
+        if withdrawals is not None:
+            await withdrawals.close()
         state.session = state.flows = state.health = None
 
 
 async def start_router(settings: RouterSettings, instances: Iterable[Instance] = (), *,
                        host: str = "127.0.0.1", port: int = 0, side_channel_port: int = 5600,
                        registry: CollectorRegistry | None = None,
-                       shutdown_timeout_s: float = 10.0, signer: ParamsSigner | None = None) -> RunningRouter:
+                       shutdown_timeout_s: float = 10.0, signer: ParamsSigner | None = None,
+                       codec: WireCodec | None = None) -> RunningRouter:
     """Serves on ``host:port`` (0: any free port) until ``close()``; open streams get up to
     ``shutdown_timeout_s`` to finish on close. ``signer`` signs the kv_transfer_params of modes push
-    and pull (without one only vllm-push and vllm-pull work)."""
+    and pull (without one only vllm-push and vllm-pull work); ``codec`` (the same secret) signs the
+    Withdraw sent to a P whose KV no D took (``withdraw.py``; without one P's lease frees it)."""
     metrics = RouterMetrics(registry)
     pool = InstancePool(on_change=metrics.instance_changed, on_remove=metrics.instance_removed)
     for inst in instances:
         pool.add(inst)
-    app = build_app(settings, pool, metrics, side_channel_port, signer)
+    app = build_app(settings, pool, metrics, side_channel_port, signer, codec)
     app.cleanup_ctx.append(_upstream)
     # handler_cancellation: a client that disconnects cancels its handler, which closes both legs.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

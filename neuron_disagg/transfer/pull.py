@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SubmitRead
 from ..protocol.errors import MessageError
-from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
+from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId, Withdraw
 from ..protocol.lender import LenderCore
 from ..protocol.reader import ReaderCore
 from ..protocol.wire import WireCodec
@@ -128,7 +128,9 @@ class PullLender(TransferThread):
         self.rejected: Counter[str] = Counter()
         self._handlers.update({
             Lend: lambda item, now: self._perform(self.core.offer(item.offer, now)),
-            Deliver: lambda item, now: self._perform(self.core.confirmed(item.message, now)),
+            Deliver: lambda item, now: self._perform(
+                self.core.withdraw(item.message.transfer_id, item.message.reason, now)
+                if isinstance(item.message, Withdraw) else self.core.confirmed(item.message, now)),
             Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now))})
         self._performers.update({
             FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids),
@@ -138,7 +140,7 @@ class PullLender(TransferThread):
         """Engine: prefill finished and ``offer`` went to the router; hold its blocks."""
         self._inbox.put(Lend(offer))
 
-    def deliver(self, message: ReadFailed) -> None:
+    def deliver(self, message: ReadFailed | Withdraw) -> None:
         self._inbox.put(Deliver(message))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Callable
 
 from ..protocol.actions import AbortWrite, FailTransfer, FreeBlocks, SubmitWrite
-from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, WriteStarting
+from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Withdraw, WriteStarting
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
@@ -59,8 +59,8 @@ class PushWriter(TransferThread):
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
-    def deliver(self, message: Registration | Heartbeat | Cancel) -> None:
-        """Side channel: a verified message from D."""
+    def deliver(self, message: Registration | Heartbeat | Cancel | Withdraw) -> None:
+        """Side channel: a verified message from D (or the router's Withdraw)."""
         self._inbox.put(Deliver(message))
 
     # -- the thread: inbox items ---------------------------------------------------------------------
@@ -82,7 +82,10 @@ class PushWriter(TransferThread):
     def _message(self, item: Deliver, now: float) -> None:
         message = item.message
         handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
-                   Cancel: self.core.cancel}[type(message)]
+                   Cancel: self.core.cancel}.get(type(message))
+        if handler is None:  # Withdraw
+            self._perform(self.core.withdraw(message.transfer_id, message.reason, now))
+            return
         if isinstance(message, Registration):
             self.timeline.mark(message.transfer_id, "p_registration")
         self._perform(handler(message, now))

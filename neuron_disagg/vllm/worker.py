@@ -20,7 +20,7 @@ from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
     AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
-    Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
+    Registration, TransferId, Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.producer import ProducerCore
 from ..protocol.lender import LenderCore
@@ -123,6 +123,7 @@ class WorkerSide:
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.lender_timeouts(), total_heads=heads),
                                    self.transport, self.codec, peers(self.transport, "pull"), self._on_free)
             routes = {Registration: self.push, Heartbeat: self.push, Cancel: self.push, ReadFailed: self.pull}
+            withdrawn = (self.push, self.pull)  # the router's Withdraw names no mode: both look
         else:
             heads = self.total_heads
             core = ConsumerCore(self.address, self.tp_rank, self.tp_size, t.consumer_timeouts(), total_heads=heads)
@@ -132,10 +133,15 @@ class WorkerSide:
                                    self.initiator, self.codec, peers(self.initiator, "pull"), self._on_loaded,
                                    self._on_failed, self._on_free)
             routes = {WriteStarting: self.push, WriteDone: self.push, WriteFailed: self.push, CancelAck: self.push}
+            withdrawn = ()
 
         def on_message(message):
             if isinstance(message, AgentInfoRequest):
                 return info
+            if isinstance(message, Withdraw):
+                for thread in withdrawn:
+                    thread.deliver(message)
+                return None
             thread = routes.get(type(message))
             if thread is not None:
                 thread.deliver(message)

@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from .vllm_cluster import D_BOUND_S, TIMEOUTS, blocks_back, metric, nothing_held, prompt, run, wait_for  # noqa: E402
+from .vllm_cluster import (  # noqa: E402
+    D_BOUND_S, PATIENT, TIMEOUTS, blocks_back, kv_usage, metric, nothing_held, prompt, run, wait_for,
+)
 
 pytestmark = pytest.mark.integration
 MODES = ("push", "pull")
@@ -127,6 +129,24 @@ def test_prompt_logprobs_are_refused_up_front_naming_the_parameter(cluster, rout
     """D never computes the prompt (P did), so it has no prompt logprobs to give."""
     r = httpx.post(f"{routed.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and parameter in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("body,parameter", [
+    (completion(prompt(40, 112), max_tokens=3, min_tokens=5), "min_tokens"),
+    (completion(prompt(45, 113), max_tokens=0), "max_tokens"),
+    (completion(prompt(50, 114), max_tokens=5000), "max_tokens"),
+], ids=["min-tokens-over-max", "max-tokens-0", "max-tokens-over-context"])
+def test_a_request_decode_refuses_frees_prefills_kv_at_once(cluster, routed, mode, body, parameter):
+    """P's one-token leg accepts what D refuses (D checks parameters that leg does not carry): the
+    client gets D's 400, and P frees the prompt's KV at once (the router's Withdraw) instead of
+    holding it for its lease waiting for a D that will never ask. It held it 6-10 s here before."""
+    want, got = run(compare(cluster, routed, "/v1/completions", body, mode))
+    assert want[0] == 400 and got[0] == 400 and parameter in got[1], (want, got)
+    took = wait_for(lambda: kv_usage(cluster.p) == 0.0 and metric(cluster.p, "neuron_disagg_held_blocks{") == 0,
+                    PATIENT["lease_s"] + 10, "P's KV back to none in use")
+    assert took < PATIENT["lease_s"] / 2, f"P held the refused request's KV {took:.1f} s (its lease: {PATIENT['lease_s']} s)"
+    blocks_back(cluster)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -56,6 +56,7 @@ EVENTS = {
     PEvent.ABORT: lambda c, now: c.abort(TID, "engine shutdown", now),
     PEvent.EXPIRED: lambda c, now: c.tick(c.entries[TID].deadline),  # just the next deadline
     PEvent.SUPERSEDED: lambda c, now: c.kv_ready(TransferId("req", 1), (13,), now),
+    PEvent.WITHDRAWN: lambda c, now: c.withdraw(TransferId("req", 0), "decode refused it", now),
 }
 
 EFFECT_ACTIONS = {
@@ -107,6 +108,30 @@ def test_every_table_row(state, event):
             assert sum(v for k, v in c.counters.items() if k.startswith("dropped")) > dropped_before
     if PEffect.FREE_BLOCKS not in rule.effects and PEffect.FREE_LATE_BLOCKS not in rule.effects:
         assert FreeBlocks not in kinds
+
+
+def test_a_withdraw_frees_every_prompt_of_the_router_attempt_now_or_as_it_is_computed():
+    """The router's Withdraw names its own transfer id; each engine request's transfer is named
+    "<router request>/<prompt digest>". Held KV is freed at once, KV computed later as it comes in;
+    other attempts and other requests are untouched, and a D that registered keeps its write."""
+    c = core()
+    a, b = TransferId("req/aaa", 0), TransferId("req/bbb", 0)
+    registered, other_attempt, other = TransferId("req/ccc", 0), TransferId("req/ddd", 1), TransferId("reqx/aaa", 0)
+    c.kv_ready(a, (1, 2), 0)
+    c.registration_received(registration(registered), 0)
+    c.kv_ready(other_attempt, (3,), 0)
+    c.kv_ready(other, (4,), 0)
+    actions = c.withdraw(TransferId("req", 0), "decode refused it", 1)
+    assert [x for x in actions if isinstance(x, FreeBlocks)] == [FreeBlocks(a, (1, 2))]
+    assert not [x for x in actions if isinstance(x, SendMessage)]  # nobody to answer
+    assert c.state_of(a) is PState.CANCELLED and c.state_of(registered) is PState.AWAITING_KV
+    assert c.state_of(other_attempt) is c.state_of(other) is PState.AWAITING_REGISTRATION
+    late = c.kv_ready(b, (5, 6), 2)  # computed after the Withdraw came
+    assert [x for x in late if isinstance(x, FreeBlocks)] == [FreeBlocks(b, (5, 6))]
+    assert c.state_of(b) is PState.CANCELLED
+    assert [x for x in c.kv_ready(registered, (10, 11, 12), 2) if isinstance(x, SubmitWrite)]  # D took it
+    c.tick(2 + T.tombstone_s)  # the Withdraw is forgotten with the tombstones
+    assert not [x for x in c.kv_ready(TransferId("req/eee", 0), (8,), 3 + T.tombstone_s) if isinstance(x, FreeBlocks)]
 
 
 def test_undefined_pairs_raise_in_strict_mode_and_are_counted_otherwise():

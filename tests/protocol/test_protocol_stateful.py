@@ -200,6 +200,15 @@ class PushProtocol(RuleBasedStateMachine):
         live = self.p.live()
         self.perform("p", self.p.abort(live[i % len(live)].transfer_id, "engine shutdown", self.p_now))
 
+    @precondition(lambda self: self.length)
+    @rule(i=st.integers(0, 100))
+    def router_withdraws(self, i):
+        """The router tells P no D takes an attempt. It does so only when D never got the request;
+        here it may come at any time, and P must still stay safe and lose nothing."""
+        request = sorted(self.length)[i % len(self.length)]
+        self.perform("p", self.p.withdraw(TransferId(request, self.attempts[request]), "decode refused it",
+                                          self.p_now))
+
     @precondition(lambda self: self.d_decoding)
     @rule()
     def decode_finishes(self):

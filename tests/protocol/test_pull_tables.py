@@ -44,6 +44,7 @@ L_EVENTS = {
     LEvent.ABORT: lambda c: c.abort(TID, "shutdown", 2),
     LEvent.EXPIRED: lambda c: c.tick(12.5),
     LEvent.SUPERSEDED: lambda c: c.offer(offer(TransferId("req", 1)), 2),
+    LEvent.WITHDRAWN: lambda c: c.withdraw(TransferId("req", 0), "decode refused it", 2),
 }
 
 
@@ -71,6 +72,18 @@ def test_every_lender_row(state, event):
         assert any(k.startswith("dropped") for k in c.counters)  # late confirmations are counted
     assert c.state_of(TID) is (rule.next_state or state)
     assert (FreeBlocks(TID, P_BLOCKS) in actions) == ("FREE_BLOCKS" in [e.name for e in rule.effects])
+
+
+def test_a_withdraw_frees_an_offer_nobody_will_read_now_or_as_it_is_made():
+    c = lender()
+    held, later, other = TransferId("req/aaa"), TransferId("req/bbb"), TransferId("req/ccc", 1)
+    c.offer(offer(held), 0)
+    c.offer(offer(other), 0)
+    freed = [a for a in c.withdraw(TransferId("req"), "decode refused it", 1) if isinstance(a, FreeBlocks)]
+    assert freed == [FreeBlocks(held, P_BLOCKS)]
+    assert c.state_of(held) is LState.RELEASED and c.state_of(other) is LState.HELD
+    assert FreeBlocks(later, P_BLOCKS) in c.offer(offer(later), 2)
+    assert c.state_of(later) is LState.RELEASED
 
 
 def test_lender_waits_for_every_reading_rank_and_frees_once():

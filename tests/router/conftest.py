@@ -93,16 +93,21 @@ def completion(prompt: str = "hello there", **extra: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def cluster(prefill: int = 1, decode: int = 1, signed: bool = True, **settings: Any) -> AsyncIterator[Cluster]:
+async def cluster(prefill: int = 1, decode: int = 1, signed: bool = True, codec: Any = None,
+                  p_side_channel: tuple[str, int] | None = None, **settings: Any) -> AsyncIterator[Cluster]:
+    """``p_side_channel``: (address, tp) of the first P instead of a made-up one; ``codec``: the
+    router signs the Withdraw it sends P with it (none: it sends none)."""
     board = KvBoard()
     prefills = [await FakeVllm("prefill", board, f"p{i}").start() for i in range(prefill)]
     decodes = [await FakeVllm("decode", board, f"d{i}").start() for i in range(decode)]
     settings = {"health_interval_s": 3600.0, "connect_timeout_s": 2.0, **settings}
     instances = [make_instance("prefill", f.url, f"127.0.0.1:{5600 + i}", i + 1, 5600, f"engine-p{i}")
                  for i, f in enumerate(prefills)]
+    if p_side_channel is not None:
+        instances[0] = make_instance("prefill", prefills[0].url, *p_side_channel, 5600, "engine-p0")
     instances += [make_instance("decode", f.url, None, None, 5600) for f in decodes]
     router = await start_router(RouterSettings.build(**settings), instances, shutdown_timeout_s=0.5,
-                                signer=SIGNER if signed else None)
+                                signer=SIGNER if signed else None, codec=codec)
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
     try:
         yield Cluster(router, prefills, decodes, board, client)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from neuron_disagg.local_cluster import free_port
+from neuron_disagg.protocol import TransferId, Withdraw, WireCodec
+from neuron_disagg.transfer.side_channel import SideChannelServer
+
 from .conftest import cluster, completion, until
+from .fakes import SECRET
 
 
 def _metric(c, name: str, **labels: str) -> float:
@@ -197,3 +202,37 @@ async def test_decodes_kv_transfer_failure_reaches_the_client_with_its_reason():
         status, _, answer = await c.post("/v1/completions", completion())
         assert answer["error"]["code"] == "decode_error"
         assert answer["error"]["message"].endswith("answered 500: Internal server error"), answer
+
+
+async def test_prefill_is_told_when_no_decode_takes_the_request():
+    """D refused the request (4xx: a parameter P's one-token leg did not carry) or could not be
+    reached: every rank of P gets a signed Withdraw for the attempt, so it frees the prompt's KV
+    now instead of holding it for its lease. D failing in any other way may have registered or be
+    reading: then nothing is sent."""
+    codec, port = WireCodec(SECRET), free_port()
+    got: list = []
+    servers = [SideChannelServer("127.0.0.1", port + rank, codec, lambda m, rank=rank: got.append((rank, m))).start()
+               for rank in range(2)]
+    try:
+        for mode in ("push", "pull"):
+            for fault, withdrawn in (("refused", True), ("stopped", True), ("failed", False)):
+                got.clear()
+                async with cluster(mode=mode, codec=codec, p_side_channel=(f"127.0.0.1:{port}", 2)) as c:
+                    d = c.decodes[0]
+                    if fault == "stopped":
+                        await d.stop()
+                    else:
+                        d.fail_status = 400 if fault == "refused" else 500
+                    status, headers, answer = await c.post("/v1/completions", completion())
+                    assert status == {"refused": 400, "stopped": 502, "failed": 502}[fault], (mode, fault, answer)
+                    assert _metric(c, "neuron_disagg_router_withdrawals_total") == (1 if withdrawn else 0), (mode, fault)
+                    if withdrawn:
+                        await until(lambda: len(got) == 2, "a Withdraw on both of P's ranks")
+                        tid = c.prefills[0].requests[0].transfer_id
+                        assert sorted(rank for rank, _ in got) == [0, 1]
+                        assert all(m == Withdraw(TransferId(*tid.split("#")[0:1], int(tid.split("#")[1])), m.reason)
+                                   for _, m in got), got
+                        assert ("refused" in got[0][1].reason) == (fault == "refused"), got
+    finally:
+        for server in servers:
+            server.close()
