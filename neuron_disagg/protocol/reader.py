@@ -65,9 +65,11 @@ READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.WAITING, _RE.EXPIRED): Rule(
         _R.FAILED, (_RF.TELL_P_FAILED, _RF.FAIL), "prefill's offer expired before decode allocated blocks"),
     (_R.READING, _RE.READ_DONE): Rule(_R.DONE, (_RF.FINISH_LOAD,)),  # ReadDone rode on the READ
-    (_R.READING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED, _RF.FAIL)),
+    # FAIL before FREE_BLOCKS: the worker ends the transfer when its blocks are freed and reports
+    # it to vLLM then, as loaded unless it already knows the load failed (consumer.py does the same).
+    (_R.READING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
     (_R.READING, _RE.EXPIRED): Rule(
-        _R.FAILED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED, _RF.FAIL),
+        _R.FAILED, (_RF.ABORT_READ, _RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED),
         "read did not finish within max_read_s"),
     (_R.READING, _RE.ABORT): Rule(_R.ABORTING),
     (_R.READING, _RE.SUPERSEDED): Rule(_R.ABORTING),

@@ -268,6 +268,45 @@ def test_connector_metrics_appear_on_vllm_metrics(cluster):
     wait_for(lambda: metric(cluster.d, "neuron_disagg_connector_step_seconds_count") > 0, 30, "step timing")
 
 
+def test_a_pull_read_that_fails_with_nothing_landed_is_recomputed_not_decoded(cluster):
+    """D's read fails before a byte lands: P's offer names an agent D cannot reach (its handshake
+    fails). D must compute the prompt itself and answer as monolithic does. The reader used to end
+    such a transfer before saying it failed, and vLLM decoded the unwritten blocks with HTTP 200
+    (seen in CI when a handshake with a paused P timed out)."""
+    import base64
+
+    import msgspec
+
+    from neuron_disagg.protocol import WireCodec
+
+    codec = WireCodec(cluster.secret.encode())
+
+    async def scenario():
+        text = prompt(90, 47)
+        async with httpx.AsyncClient(timeout=120) as client:
+            want = await reference(cluster, client, text, 16)
+            tid = f"pull-unreachable-{next_id()}-{time.monotonic_ns()}#0"
+            p = await client.post(f"{cluster.p.url}/v1/completions", json=body(text, 1, kv_transfer_params=cluster.signer.sign({
+                "neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid})))
+            assert p.status_code == 200, p.text
+            answer = p.json()["kv_transfer_params"]
+            offer = codec.decode(base64.b64decode(answer["offer"]))
+            nobody = f"127.0.0.1:{free_port()}"  # nothing listens: the handshake is refused
+            ranks = tuple(msgspec.structs.replace(r, agent_name=f"{r.agent_name}-gone") for r in offer.ranks)
+            forged = msgspec.structs.replace(offer, p_side_channel=nobody, ranks=ranks)
+            d = await client.post(f"{cluster.d.url}/v1/completions", json=body(text, 16, kv_transfer_params=cluster.signer.sign({
+                "neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid,
+                "offer": base64.b64encode(codec.encode(forged)).decode()})))
+            assert d.status_code == 200, d.text
+            return want, d.json()["choices"][0]["text"]
+
+    recomputed = metric(cluster.d, "neuron_disagg_recomputed_total")
+    want, got = run(scenario())
+    assert got == want
+    assert metric(cluster.d, "neuron_disagg_recomputed_total") == recomputed + 1
+    blocks_back(cluster)  # P's offer, read by nobody, ends with its lease
+
+
 def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, routed):
     async def scenario():
         texts = [prompt(45, 41), prompt(350, 42)]

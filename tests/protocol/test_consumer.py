@@ -92,6 +92,8 @@ def test_every_table_row(state, event):
             assert any(k.startswith("dropped") for k in c.counters)
     if DEffect.FREE_BLOCKS not in rule.effects:
         assert FreeBlocks not in kinds, "blocks freed by a row that does not free"
+    if FailTransfer in kinds and FreeBlocks in kinds:  # the worker reports a load when its blocks are freed
+        assert kinds.index(FailTransfer) < kinds.index(FreeBlocks), actions
 
 
 def test_partial_verdicts_keep_waiting_for_every_writer():

@@ -152,6 +152,11 @@ def test_every_reader_row(state, event):
             assert R_ACTIONS[effect] in kinds, (effect, actions)
     if REffect.FREE_BLOCKS not in rule.effects and REffect.FREE_LATE_BLOCKS not in rule.effects:
         assert FreeBlocks not in kinds
+    order = [type(a) for a in actions if isinstance(a, (FailTransfer, FreeBlocks))]
+    if FailTransfer in order and FreeBlocks in order:
+        # The worker reports a transfer to vLLM when its blocks are freed: as a failed load only
+        # if the failure came first. The other order decoded a load that never landed (CI, pull).
+        assert order.index(FailTransfer) < order.index(FreeBlocks), actions
 
 
 def test_reader_starts_no_read_on_an_expired_offer():
