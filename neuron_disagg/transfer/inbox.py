@@ -16,6 +16,7 @@ class KvReady:
     transfer_id: TransferId
     block_ids: tuple[int, ...]
     fence: KVFence | None
+    ready_at: float | None = None  # when the engine saw the KV computed, for the thread's timeline
 
 
 @dataclass(frozen=True, slots=True)

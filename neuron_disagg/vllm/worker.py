@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -226,17 +227,16 @@ class WorkerSide:
         writer now, not a step later, with a fence recorded behind the forward."""
         ready, self._after_forward = self._after_forward, []
         if ready:
-            for r in ready:
-                self.push.timeline.mark(r.transfer_id, "p_kv_ready")
-            self._to_writer(ready, self.platform.wait_for_kv())
+            self._to_writer(ready, self.platform.wait_for_kv(), time.time())
 
-    def _to_writer(self, ready: list, fence) -> None:
+    def _to_writer(self, ready: list, fence, ready_at: float | None = None) -> None:
         # The puts wake the writer last: once it runs, anything here that waits (a lock, a file
-        # write) may give it the GIL, and the engine loop waits out the writer's turn.
+        # write) may give it the GIL, and the engine loop waits out the writer's turn. For the same
+        # reason the writer, not the engine loop, writes the timeline's p_kv_ready (at ready_at).
         for r in ready:
             self._track(r.transfer_id, r.request_id)
         for r in ready:
-            self.push.kv_ready(r.transfer_id, r.block_ids, fence)
+            self.push.kv_ready(r.transfer_id, r.block_ids, fence, ready_at)
 
     def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
         """The verified offer, among the ones the router carried, for this prompt's transfer."""

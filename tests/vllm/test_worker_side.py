@@ -6,6 +6,7 @@ reports, as changes since the last report."""
 from __future__ import annotations
 
 import base64
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -134,8 +135,11 @@ def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_
     p.platform = SimpleNamespace(wait_for_kv=lambda: recorded.append("fence") or f"fence {len(recorded)}")
     p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
     assert p.push.calls == [] and recorded == []  # its KV is still being computed
+    before = time.time()
     p.after_forward()
-    assert p.push.calls == [("kv_ready", TID, (1, 2), "fence 1")]  # a fence recorded behind the forward
+    (call,) = p.push.calls
+    assert call[:4] == ("kv_ready", TID, (1, 2), "fence 1")  # a fence recorded behind the forward
+    assert before <= call[4] <= time.time()  # when the KV was computed: the writer marks the timeline
     p.after_forward()
     assert len(p.push.calls) == 1
     p._on_free(TID, (1, 2))
