@@ -81,7 +81,7 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
     """P rank side of pull mode; called by P's pull lender thread."""
 
     TABLE, NEW, TERMINAL = LENDER_TABLE, LState.NEW, frozenset({LState.RELEASED, LState.EXPIRED})
-    EXPIRED, SUPERSEDED = LEvent.EXPIRED, LEvent.SUPERSEDED
+    EXPIRED, SUPERSEDED, WITHDRAWN = LEvent.EXPIRED, LEvent.SUPERSEDED, LEvent.WITHDRAWN
 
     def __init__(self, tp_rank: int, tp_size: int, timeouts: LenderTimeouts = LenderTimeouts(),
                  strict: bool = False, total_heads: int | None = None):
@@ -97,13 +97,7 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
         step = Step(self._clock(now), payload=offer)
         entry = self._entry(offer.transfer_id, step, create=True)
         self._fire(entry, LEvent.OFFER, step)
-        self._if_withdrawn(entry, LEvent.WITHDRAWN, step)
-        return step.actions
-
-    def withdraw(self, transfer_id: TransferId, reason: str, now: float) -> list:
-        """The router: no D takes the router's transfer ``transfer_id``, so nobody will read."""
-        step = Step(self._clock(now), reason=reason)
-        self._withdraw(transfer_id, LEvent.WITHDRAWN, step)
+        self._if_withdrawn(entry, step)
         return step.actions
 
     def confirmed(self, message: ReadDone | ReadFailed, now: float) -> list:

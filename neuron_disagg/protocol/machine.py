@@ -71,6 +71,7 @@ class StateMachine(Generic[S, E, F, EntryT]):
     TERMINAL: frozenset
     EXPIRED: Any
     SUPERSEDED: Any
+    WITHDRAWN: Any = None  # P's cores only: the router's Withdraw
 
     def __init__(self, *, tombstone_s: float, strict: bool = False):
         self.entries: dict[TransferId, EntryT] = {}
@@ -159,18 +160,21 @@ class StateMachine(Generic[S, E, F, EntryT]):
     def _drop(self, what: str) -> None:
         self.counters[f"dropped:{what}"] += 1
 
-    # -- the router's Withdraw -------------------------------------------------------------------
-    def _withdraw(self, attempt: TransferId, event: E, step: Step) -> None:
-        """Fires ``event`` on every transfer of the router's ``attempt`` held now; one that begins
-        later (its KV computed after the Withdraw came) gets it as it begins (``_if_withdrawn``)."""
+    # -- the router's Withdraw (P's cores) --------------------------------------------------------
+    def withdraw(self, attempt: TransferId, reason: str, now: float) -> list[Action]:
+        """The router: no D takes its transfer ``attempt``. Fires WITHDRAWN on every transfer of it
+        held now; one that begins later (KV computed after the Withdraw came) gets it as it begins
+        (``_if_withdrawn``)."""
+        step = Step(self._clock(now), reason=reason)
         self._withdrawn[attempt] = step.now
         for entry in list(self.entries.values()):
             if entry.transfer_id.router_attempt() == attempt:
-                self._fire(entry, event, step)
+                self._fire(entry, self.WITHDRAWN, step)
+        return step.actions
 
-    def _if_withdrawn(self, entry: EntryT, event: E, step: Step) -> None:
+    def _if_withdrawn(self, entry: EntryT, step: Step) -> None:
         if self._withdrawn and entry.transfer_id.router_attempt() in self._withdrawn:
-            self._fire(entry, event, step)
+            self._fire(entry, self.WITHDRAWN, step)
 
     # -- time passes -----------------------------------------------------------------------------
     def _tick(self, now: float) -> list[Action]:

@@ -168,7 +168,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
     thread (or a test), never by the engine loop, and returns the actions to perform in order."""
 
     TABLE, NEW, TERMINAL = TABLE, PState.NEW, TERMINAL
-    EXPIRED, SUPERSEDED = PEvent.EXPIRED, PEvent.SUPERSEDED
+    EXPIRED, SUPERSEDED, WITHDRAWN = PEvent.EXPIRED, PEvent.SUPERSEDED, PEvent.WITHDRAWN
 
     def __init__(self, regions: tuple[Region, ...], tp_rank: int = 0, tp_size: int = 1,
                  timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False,
@@ -235,13 +235,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         step = Step(self._clock(now), payload=tuple(block_ids))
         entry = self._entry(transfer_id, step, create=True)
         self._fire(entry, PEvent.KV_READY, step)
-        self._if_withdrawn(entry, PEvent.WITHDRAWN, step)
-        return step.actions
-
-    def withdraw(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
-        """The router: no D takes the router's transfer ``transfer_id``; free what waits for it."""
-        step = Step(self._clock(now), reason=reason)
-        self._withdraw(transfer_id, PEvent.WITHDRAWN, step)
+        self._if_withdrawn(entry, step)
         return step.actions
 
     def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:

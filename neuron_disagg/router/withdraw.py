@@ -31,7 +31,6 @@ class Withdrawals:
     def __init__(self, codec: WireCodec, timeout_s: float = 2.0):
         self._client = SideChannelClient(codec, timeout_s)
         self._tasks: set[asyncio.Task] = set()
-        self.sent = 0
 
     def withdraw(self, p: Instance, transfer_id: str, reason: str) -> None:
         """Sends P's ranks the Withdraw in the background (the client's answer does not wait)."""
@@ -44,7 +43,6 @@ class Withdrawals:
         for rank in range(p.tp):
             try:
                 self._client.send(rank_address(p.side_channel, rank), message)
-                self.sent += 1
             except OSError as exc:  # P's lease frees the KV in the end
                 log.warning("could not withdraw transfer %s from prefill %s rank %d: %s",
                             message.transfer_id, p.url, rank, exc)

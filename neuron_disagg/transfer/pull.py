@@ -128,13 +128,18 @@ class PullLender(TransferThread):
         self.rejected: Counter[str] = Counter()
         self._handlers.update({
             Lend: lambda item, now: self._perform(self.core.offer(item.offer, now)),
-            Deliver: lambda item, now: self._perform(
-                self.core.withdraw(item.message.transfer_id, item.message.reason, now)
-                if isinstance(item.message, Withdraw) else self.core.confirmed(item.message, now)),
+            Deliver: self._message,
             Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now))})
         self._performers.update({
             FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids),
             FailTransfer: self._failed})
+
+    def _message(self, item: Deliver, now: float) -> None:
+        message = item.message
+        if isinstance(message, Withdraw):
+            self._perform(self.core.withdraw(message.transfer_id, message.reason, now))
+        else:
+            self._perform(self.core.confirmed(message, now))
 
     def lend(self, offer: PullOffer) -> None:
         """Engine: prefill finished and ``offer`` went to the router; hold its blocks."""

@@ -87,10 +87,8 @@ class PushWriter(TransferThread):
     def _message(self, item: Deliver, now: float) -> None:
         message = item.message
         handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
-                   Cancel: self.core.cancel}.get(type(message))
-        if handler is None:  # Withdraw
-            self._perform(self.core.withdraw(message.transfer_id, message.reason, now))
-            return
+                   Cancel: self.core.cancel,
+                   Withdraw: lambda m, now: self.core.withdraw(m.transfer_id, m.reason, now)}[type(message)]
         if isinstance(message, Registration):
             self.timeline.mark(message.transfer_id, "p_registration")
         self._perform(handler(message, now))
