@@ -135,8 +135,8 @@ def mean_step_us(before: StepTime, after: StepTime) -> float | None:
 
 def step_quantile_us(before: StepTime, after: StepTime, q: float) -> float | None:
     """The histogram bucket bound (µs) at or below which a fraction ``q`` of the steps between the
-    two readings fell: an upper bound on that quantile, as fine as the buckets (1, 5, 10, 50, 100,
-    500 µs ...); inf when beyond the last."""
+    two readings fell: an upper bound on that quantile, as fine as the buckets (``stats.STEP_BUCKETS_S``:
+    ... 50, 75, 100, 150, 200, 300 µs ...); inf when beyond the last."""
     steps = after.steps - before.steps
     if steps <= 0:
         return None

@@ -56,3 +56,31 @@ def test_held_blocks_is_a_gauge_that_starts_at_zero_and_follows_the_latest_repor
     assert registry.get_sample_value("neuron_disagg_held_blocks", labels) == 2
     metrics.observe({**payload(), "held_blocks": 0})
     assert registry.get_sample_value("neuron_disagg_held_blocks", labels) == 0
+
+
+def test_the_bench_reads_from_metrics_whether_the_step_p99_met_100_us():
+    """The steps go through the exported histogram and the bench's reading of its text: a p99 just
+    over the design's 100 us aim must not read as within it (the buckets were 100, 500 us)."""
+    from neuron_disagg.bench.load import StepTime, step_quantile_us
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+
+    def read() -> StepTime:  # as bench.load.step_time parses /metrics
+        total = StepTime()
+        for line in prometheus_client.generate_latest(registry).decode().splitlines():
+            if line.startswith("neuron_disagg_connector_step_seconds_bucket"):
+                bound = float(line.split('le="', 1)[1].split('"', 1)[0])
+                total.buckets[bound] = float(line.rsplit(" ", 1)[-1])
+            elif line.startswith("neuron_disagg_connector_step_seconds_count"):
+                total.steps = float(line.rsplit(" ", 1)[-1])
+        return total
+
+    start = read()
+    metrics.observe({**payload(), "step_us": [20.0] * 97 + [120.0] * 3})
+    over = read()
+    assert step_quantile_us(start, over, 0.5) == 20.0
+    assert 100.0 < step_quantile_us(start, over, 0.99) <= 150.0
+    metrics.observe({**payload(), "step_us": [20.0] * 98 + [90.0] * 2})
+    assert step_quantile_us(over, read(), 0.99) == 100.0
