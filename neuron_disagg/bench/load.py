@@ -111,11 +111,16 @@ def breakdown_between(directory: str, start: float, end: float) -> dict[str, flo
 
 def step_time(url: str) -> StepTime:
     """``neuron_disagg_connector_step_seconds`` summed over its labels (0 steps if not exported)."""
-    total = StepTime()
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return total
+        return StepTime()
+    return parse_step_time(text)
+
+
+def parse_step_time(text: str) -> StepTime:
+    """``neuron_disagg_connector_step_seconds`` in Prometheus text, summed over its labels."""
+    total = StepTime()
     for line in text.splitlines():
         value = line.rsplit(" ", 1)[-1]
         if line.startswith("neuron_disagg_connector_step_seconds_sum"):

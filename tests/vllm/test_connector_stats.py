@@ -19,6 +19,13 @@ def payload(**counts: int) -> dict:
     return {"counts": counts, "failures": {}, "write_ms": [], "step_us": []}
 
 
+def metric_types() -> tuple[prometheus_client.CollectorRegistry, dict]:
+    """A registry of the test's own, and the metric classes vLLM hands ConnectorPromMetrics, bound to it."""
+    registry = prometheus_client.CollectorRegistry()
+    return registry, {cls: functools.partial(cls, registry=registry)
+                      for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+
+
 def test_worker_snapshots_add_up_across_ranks():
     total = ConnectorStats(payload(bytes=10, agent_resets=1))
     total.aggregate(ConnectorStats(payload(bytes=5, agent_resets=2, descriptors=3)))
@@ -28,9 +35,7 @@ def test_worker_snapshots_add_up_across_ranks():
 
 
 def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine():
-    registry = prometheus_client.CollectorRegistry()
-    types = {cls: functools.partial(cls, registry=registry)
-             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    registry, types = metric_types()
     metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"], 1: ["1"]})
     metrics.observe(payload(agent_resets=2, bytes=4096), engine_idx=1)
     metrics.observe(payload(agent_resets=1), engine_idx=1)
@@ -43,9 +48,7 @@ def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine():
 
 
 def test_held_blocks_is_a_gauge_that_starts_at_zero_and_follows_the_latest_report():
-    registry = prometheus_client.CollectorRegistry()
-    types = {cls: functools.partial(cls, registry=registry)
-             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    registry, types = metric_types()
     config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"))
     metrics = ConnectorPromMetrics(config, types, ["engine"], {0: ["0"]})
     labels = {"engine": "0", "role": "decode"}
@@ -61,21 +64,12 @@ def test_held_blocks_is_a_gauge_that_starts_at_zero_and_follows_the_latest_repor
 def test_the_bench_reads_from_metrics_whether_the_step_p99_met_100_us():
     """The steps go through the exported histogram and the bench's reading of its text: a p99 just
     over the design's 100 us aim must not read as within it (the buckets were 100, 500 us)."""
-    from neuron_disagg.bench.load import StepTime, step_quantile_us
-    registry = prometheus_client.CollectorRegistry()
-    types = {cls: functools.partial(cls, registry=registry)
-             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    from neuron_disagg.bench.load import parse_step_time, step_quantile_us
+    registry, types = metric_types()
     metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
 
-    def read() -> StepTime:  # as bench.load.step_time parses /metrics
-        total = StepTime()
-        for line in prometheus_client.generate_latest(registry).decode().splitlines():
-            if line.startswith("neuron_disagg_connector_step_seconds_bucket"):
-                bound = float(line.split('le="', 1)[1].split('"', 1)[0])
-                total.buckets[bound] = float(line.rsplit(" ", 1)[-1])
-            elif line.startswith("neuron_disagg_connector_step_seconds_count"):
-                total.steps = float(line.rsplit(" ", 1)[-1])
-        return total
+    def read():  # what the bench reads from /metrics
+        return parse_step_time(prometheus_client.generate_latest(registry).decode())
 
     start = read()
     metrics.observe({**payload(), "step_us": [20.0] * 97 + [120.0] * 3})
