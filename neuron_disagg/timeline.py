@@ -12,6 +12,7 @@ marks what the engine loop sees; each transfer thread marks what happens on the 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import IO
 
 import msgspec
 
+log = logging.getLogger(__name__)
 EVENTS = {
     "router_arrived": "the router received the client's request",
     "p_arrived": "P's API server created the request (vLLM's arrival_time)",
@@ -58,14 +60,20 @@ class Timeline:
         return self.directory is not None
 
     def mark(self, transfer_id: object, event: str, at: float | None = None) -> None:
+        """Never raises: a timeline that cannot be written (a full disk, a removed directory) turns
+        itself off with one warning, since the transfer threads and the engine loop mark it."""
         if self.directory is None:
             return
         line = self._encode([str(transfer_id), event, time.time() if at is None else at]) + b"\n"
         with self._lock:
-            if self._file is None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.directory / f"{self.name}-{os.getpid()}.jsonl", "ab", buffering=0)
-            self._file.write(line)
+            try:
+                if self._file is None:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    self._file = open(self.directory / f"{self.name}-{os.getpid()}.jsonl", "ab", buffering=0)
+                self._file.write(line)
+            except OSError as exc:
+                log.warning("timeline %s off: cannot write to %s (%s)", self.name, self.directory, exc)
+                self.directory = None
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,9 @@ registered for each action type; what a performer must report back to the core (
 completed at once, a copy that finished) waits until every action of the current batch is done, so
 the core is never re-entered halfway through its own actions. ``shutdown`` stops the thread after
 ``_on_stop`` has ended what is in flight, joins within a bound, and re-raises (once) any error that
-killed the thread — an engine must learn that its transfer thread is gone.
+killed the thread. An engine must learn that its transfer thread is gone well before shutdown: every
+transfer the thread held would wait forever, holding its blocks, with no request failing. So the
+engine loop calls ``check`` each step, which raises ``TransferThreadDied`` once the thread died.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class TransferThreadDied(RuntimeError):
+    """A transfer thread ended on an error; raised on the engine loop, so the instance stops loudly."""
+
+
 class TransferThread:
     timeline: Timeline = OFF  # set before start() to record per-transfer timestamps
     core: StateMachine        # the subclass's protocol core
@@ -47,7 +53,8 @@ class TransferThread:
             SendMessage: lambda a: self.peers.send(a.peer, a.ranks, a.message),
             Transitioned: self._log_transition,
         }
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # for shutdown() to re-raise once
+        self._died: BaseException | None = None   # for check(), every step until the engine stops
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------------
@@ -64,6 +71,14 @@ class TransferThread:
         error, self._error = self._error, None  # report it once
         if error is not None:
             raise RuntimeError(f"{self._thread.name} failed") from error
+
+    def check(self) -> None:
+        """The engine loop, each step: raises ``TransferThreadDied`` if this thread died (one
+        attribute read otherwise)."""
+        if self._died is not None:
+            raise TransferThreadDied(
+                f"{self._thread.name} died ({type(self._died).__name__}: {self._died}); the transfers it "
+                "held can never end, so this instance stops: restart it") from self._died
 
     # -- the thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -85,8 +100,8 @@ class TransferThread:
                 if now >= next_tick:
                     self._tick(now)
                     next_tick = now + self.tick_interval_s
-        except BaseException as exc:  # kept for shutdown()
-            self._error = exc
+        except BaseException as exc:  # kept for check() and shutdown()
+            self._error = self._died = exc
             log.exception("%s died", self._thread.name)
 
     def _perform(self, actions) -> None:

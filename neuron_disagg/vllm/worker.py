@@ -253,7 +253,11 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call; the failed
-        loads' blocks are in ``failed_blocks`` until the next call (vLLM < 0.32 takes those)."""
+        loads' blocks are in ``failed_blocks`` until the next call (vLLM < 0.32 takes those).
+        Raises ``TransferThreadDied`` if a transfer thread died: the engine stops rather than hang
+        every request whose KV that thread held."""
+        self.push.check()
+        self.pull.check()
         with self._lock:
             if self.role == "prefill":
                 # vLLM accepts only ids it has already listed as finished on this worker.

@@ -79,3 +79,18 @@ def test_a_connectors_per_prompt_transfers_join_the_routers_transfer(tmp_path):
     assert list(timeline.load(tmp_path)) == ["req.7#0"]
     assert timeline.breakdown(timeline.load(tmp_path)["req.7#0"])["ttft"] == pytest.approx(0.1)
     assert timeline.request_transfer("x.y/ab#3") == "x.y#3" and timeline.request_transfer("plain") == "plain"
+
+
+def test_a_timeline_that_cannot_be_written_turns_off_instead_of_raising(tmp_path, caplog):
+    """Transfer threads mark it: a full disk must not kill one (its transfers would never end)."""
+    import os
+
+    full = Timeline(tmp_path, "decode-rank0")
+    (tmp_path / f"decode-rank0-{os.getpid()}.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    full.mark("a#0", "d_notified")
+    full.mark("a#0", "d_loaded")
+    assert not full.enabled
+    assert [r.getMessage() for r in caplog.records if "timeline" in r.getMessage()] == [
+        f"timeline decode-rank0 off: cannot write to {tmp_path} ([Errno 28] No space left on device)"]
+    (tmp_path / "not-a-directory").write_text("")
+    Timeline(tmp_path / "not-a-directory", "router").mark("b#0", "router_arrived")  # mkdir fails: no raise

@@ -20,6 +20,7 @@ from neuron_disagg.vllm.metadata import (  # noqa: E402
     Abort, AllocatedBlocks, Expect, KvReady, ReadOffer, StepMetadata,
 )
 from neuron_disagg.timeline import OFF  # noqa: E402
+from neuron_disagg.transfer.thread import TransferThread, TransferThreadDied  # noqa: E402
 from neuron_disagg.vllm.worker import WorkerSide  # noqa: E402
 
 SECRET = "worker-side-tests-secret-0123456789"
@@ -37,6 +38,9 @@ class Thread:
 
     def __getattr__(self, name):
         return lambda *args: self.calls.append((name, *args))
+
+    def check(self):
+        pass
 
 
 def worker(monkeypatch, role: str, recompute: bool = True) -> WorkerSide:
@@ -151,3 +155,33 @@ def test_one_vllm_did_not_call_after_the_forward_goes_at_the_next_step_start(mon
     p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
     p.hand_off(StepMetadata())  # e.g. a runner that defers wait_for_save
     assert [c[:3] for c in p.push.calls] == [("kv_ready", TID, (1, 2))]
+
+
+class Exploding(TransferThread):
+    """A real transfer thread whose handler raises on the first item it takes."""
+
+    core = SimpleNamespace(has_live=lambda: False)
+
+    def __init__(self):
+        super().__init__("neuron-disagg-push-receiver-0", SimpleNamespace(shutdown=lambda: None))
+        self._handlers[str] = self._explode
+
+    def _explode(self, item, now):
+        raise KeyError(item)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_transfer_thread_that_died_stops_the_engine_loop_with_its_reason(monkeypatch, role):
+    """Its transfers would otherwise wait forever holding their blocks, no request failing (a
+    receiver dead of a bug hung every later push request on that D, and nothing said so)."""
+    side = worker(monkeypatch, role)
+    side.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
+    assert side.transfer_results(set()) == (set(), set(), set())
+    dead = side.push = Exploding().start()
+    dead._inbox.put("an item it cannot take")
+    dead._thread.join(5)
+    assert not dead._thread.is_alive()
+    for _ in range(2):  # every step, not once: vLLM must not carry on past it
+        with pytest.raises(TransferThreadDied, match=r"push-receiver-0 died \(KeyError.*restart it") as err:
+            side.transfer_results(set())
+        assert isinstance(err.value.__cause__, KeyError)
