@@ -11,6 +11,7 @@ import json
 import socket
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -156,6 +157,23 @@ def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_wat
               if line.startswith("data: {")]
     assert any(e.get("error", {}).get("message", "").startswith("KV transfer failed: ") for e in events), streamed.text
     wait_for(lambda: kv_usage(failing_decode) == 0.0, 20, "the failing D's KV usage back to 0")
+
+
+def test_a_decode_whose_transfer_thread_dies_fails_its_request_at_once_and_stops(cluster):
+    """A bug that kills D's push receiver (injected from outside: tests/integration/inject) must not
+    leave its requests waiting forever with their blocks held: the engine stops at its next step,
+    the client gets an error within seconds, and the instance exits saying which thread died."""
+    broken = cluster.instance("decode", free_port(), "1", dict(TIMEOUTS), env={
+        "PYTHONPATH": str(Path(__file__).parent / "inject"), "NEURON_DISAGG_TEST_BREAK_RECEIVER": "1"}).start()
+    try:
+        broken.wait_ready()
+        response, took = run(_decode_alone(cluster, broken, prompt(40, 18)))
+        assert response.status_code == 500 and took < 10, (response.status_code, response.text, took)
+        broken.process.wait(60)
+    finally:
+        broken.stop()
+    log = broken.log_path.read_text(errors="replace")
+    assert "TransferThreadDied: neuron-disagg-push-receiver-0 died (RuntimeError: a bug in the receiver" in log
 
 
 def test_prefill_killed_after_the_registration_reached_it_is_recomputed_within_the_bound(cluster):
