@@ -13,15 +13,20 @@ the core is never re-entered halfway through its own actions. ``shutdown`` stops
 ``_on_stop`` has ended what is in flight, joins within a bound, and re-raises (once) any error that
 killed the thread. An engine must learn that its transfer thread is gone well before shutdown: every
 transfer the thread held would wait forever, holding its blocks, with no request failing. So the
-engine loop calls ``check`` each step, which raises ``TransferThreadDied`` once the thread died.
+engine loop calls ``check`` each step, which raises ``TransferThreadDied`` once the thread died — or
+is stuck: nothing it does takes seconds (handshakes run on the peers executor), so one call lasting
+``stuck_after_s`` is a hang inside it (a driver, NIXL), and while it lasts no deadline of its
+transfers can fire. The error says where the thread is.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any, Callable
 
@@ -42,6 +47,7 @@ class TransferThread:
     timeline: Timeline = OFF  # set before start() to record per-transfer timestamps
     core: StateMachine        # the subclass's protocol core
     idle_progress_s: float | None = None  # with nothing live: None sleeps until an inbox item
+    stuck_after_s: float = 60.0  # one turn of the loop taking longer is a hang (check())
     def __init__(self, name: str, peers: Peers, tick_interval_s: float = 0.05,
                  poll_interval_s: float = 0.0005):
         self.peers = peers
@@ -55,6 +61,8 @@ class TransferThread:
         }
         self._error: BaseException | None = None  # for shutdown() to re-raise once
         self._died: BaseException | None = None   # for check(), every step until the engine stops
+        self._working_since: float | None = None  # monotonic start of the turn in hand; None waiting
+        self._seen_in_turn: tuple[float | None, float, float] = (None, 0.0, 0.0)  # check(): turn, first, last
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------------
@@ -73,28 +81,48 @@ class TransferThread:
             raise RuntimeError(f"{self._thread.name} failed") from error
 
     def check(self) -> None:
-        """The engine loop, each step: raises ``TransferThreadDied`` if this thread died (one
-        attribute read otherwise)."""
+        """The engine loop, each step: raises ``TransferThreadDied`` if this thread died or is stuck
+        (two attribute reads otherwise)."""
         if self._died is not None:
             raise TransferThreadDied(
                 f"{self._thread.name} died ({type(self._died).__name__}: {self._died}); the transfers it "
                 "held can never end, so this instance stops: restart it") from self._died
+        since = self._working_since
+        if since is None:
+            return
+        # Stuck means seen in one turn by steps at most a quarter of stuck_after_s apart (a long
+        # prefill is one step) for stuck_after_s, not merely that long since the turn began: a
+        # paused process (SIGSTOP, a host stall) resumes mid-turn, the engine's clock gone on too.
+        now, (seen, first, last) = time.monotonic(), self._seen_in_turn
+        if seen != since or now - last > self.stuck_after_s / 4:
+            self._seen_in_turn = (since, now, now)
+            return
+        self._seen_in_turn = (since, first, now)
+        if now - first > self.stuck_after_s:
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(its stack is gone)\n"
+            raise TransferThreadDied(
+                f"{self._thread.name} has been stuck for {now - first:.0f} s in one call, and "
+                "no deadline of its transfers can fire meanwhile, so this instance stops: restart it. "
+                f"The thread is at:\n{where}")
 
     # -- the thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             next_tick = 0.0
             while True:
+                self._working_since = None
                 try:
                     item = self._inbox.get(timeout=self.poll_interval_s if self._busy() else
                                            self.tick_interval_s if self.core.has_live() else self.idle_progress_s)
+                    self._working_since = time.monotonic()
                     while True:
                         if item is _STOP:
                             return self._on_stop()
                         self._handlers[type(item)](item, time.time())
                         item = self._inbox.get_nowait()
                 except queue.Empty:
-                    pass
+                    self._working_since = time.monotonic()
                 self._poll()
                 now = time.time()
                 if now >= next_tick:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from .vllm_cluster import (  # noqa: E402
-    D_BOUND_S, PATIENT, TIMEOUTS, blocks_back, kv_usage, metric, nothing_held, prompt, run, wait_for,
+    D_BOUND_S, PATIENT, TIMEOUTS, blocks_back, explained, kv_usage, metric, nothing_held, prompt, run, wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,8 @@ async def compare(cluster, router, path: str, body: dict, mode: str):
     async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as client:
         want = await answer(client, cluster.mono.url, path, body)
         started = time.monotonic()
-        got = await answer(client, router.url, path, {**body, "disagg_mode": mode})
+        with explained(cluster):
+            got = await answer(client, router.url, path, {**body, "disagg_mode": mode})
         took = time.monotonic() - started
     assert took < REQUEST_BOUND_S, f"{body} took {took:.0f} s"
     return want, got

@@ -135,7 +135,19 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:
 
 def blocks_back(c: Cluster, timeout_s: float = 20) -> None:
     for instance in (c.p, c.d):
-        wait_for(lambda: kv_usage(instance) == 0.0, timeout_s, f"{instance.name} KV usage back to 0")
+        with explained(c):
+            wait_for(lambda: kv_usage(instance) == 0.0, timeout_s, f"{instance.name} KV usage back to 0")
+
+
+@contextlib.contextmanager
+def explained(c: Cluster):
+    """A failure inside (an assertion, a client's timeout) says what P and D logged last: CI keeps
+    only the tests' output, and a hang's cause is in the servers' logs, not in the client's traceback."""
+    try:
+        yield
+    except (AssertionError, httpx.TimeoutException) as exc:
+        logs = "\n".join(f"--- {i.name}: {i.log_path}\n{i.tail(20)}" for i in (c.p, c.d))
+        raise AssertionError(f"{type(exc).__name__}: {exc}\n{logs}") from None
 
 
 def run(coro):
@@ -174,4 +186,5 @@ def nothing_held(cluster: Cluster, timeout_s: float = 15) -> None:
                      if line.startswith("neuron_disagg_held_blocks{")]
             assert lines, f"{instance.name} exports no neuron_disagg_held_blocks"
             return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-        wait_for(lambda: held() == 0, timeout_s, f"{instance.name}'s neuron_disagg_held_blocks back to 0")
+        with explained(cluster):
+            wait_for(lambda: held() == 0, timeout_s, f"{instance.name}'s neuron_disagg_held_blocks back to 0")

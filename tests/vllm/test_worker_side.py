@@ -6,6 +6,7 @@ reports, as changes since the last report."""
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -185,3 +186,53 @@ def test_a_transfer_thread_that_died_stops_the_engine_loop_with_its_reason(monke
         with pytest.raises(TransferThreadDied, match=r"push-receiver-0 died \(KeyError.*restart it") as err:
             side.transfer_results(set())
         assert isinstance(err.value.__cause__, KeyError)
+
+
+class Blocking(Exploding):
+    """A real transfer thread whose handler blocks until released, as a call into a hung driver."""
+
+    stuck_after_s = 0.4
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self._handlers[str] = self._wait_in_the_driver
+
+    def _wait_in_the_driver(self, item, now):
+        self.release.wait(10)
+
+
+def test_a_transfer_thread_stuck_in_one_call_stops_the_engine_loop_saying_where(monkeypatch):
+    d = worker(monkeypatch, "decode")
+    stuck = d.push = Blocking().start()
+    try:
+        time.sleep(0.6)  # idle, waiting for work, for longer than stuck_after_s: not stuck
+        for _ in range(10):
+            d.transfer_results(set())
+            time.sleep(0.05)
+        stuck._inbox.put("work that never ends")
+        deadline = time.monotonic() + 5
+        with pytest.raises(TransferThreadDied, match=r"(?s)push-receiver-0 has been stuck for .* in _wait_in_the_driver"):
+            while time.monotonic() < deadline:  # the engine steps on; within stuck_after_s and a step it stops
+                d.transfer_results(set())
+                time.sleep(0.05)
+    finally:
+        stuck.release.set()
+
+
+def test_a_pause_of_the_whole_process_is_not_taken_for_a_stuck_thread(monkeypatch):
+    """SIGSTOP (a hung host) stops the engine and the thread alike; on resume the engine's clock has
+    run on while the thread is still in the turn it was in."""
+    d = worker(monkeypatch, "decode")
+    paused = d.push = Blocking().start()
+    try:
+        paused._inbox.put("a turn the pause falls into")
+        time.sleep(0.05)
+        d.transfer_results(set())  # seen in that turn...
+        time.sleep(0.5)            # ...the engine paused longer than stuck_after_s (no steps)...
+        d.transfer_results(set())  # ...and on resume: not stuck yet
+        paused.release.set()
+        time.sleep(0.1)
+        d.transfer_results(set())
+    finally:
+        paused.release.set()
