@@ -52,6 +52,7 @@ class DEffect(enum.Enum):
     ARM_FENCE = "deadline := expiry + max_write_s + clock_skew_allowance_s"
     FINISH_LOAD = "hand the loaded request to the engine"
     FREE_BLOCKS = "free the registered blocks"
+    FREE_LATE_BLOCKS = "free blocks allocated after the transfer ended: never registered with P"
     FAIL = "fail the request upstream"
     DROP = "count an event that changes nothing"
 
@@ -96,11 +97,16 @@ TABLE: dict[tuple[DState, DEvent], Rule] = {
     (S.TIMING_OUT, E.SUPERSEDED): _R(S.CANCELLING),
     (S.TIMING_OUT, E.EXPECT): _R(None, (F.DROP,)),
 }
+LATE_ALLOCATION = "blocks allocated after this transfer ended: nothing will fill them"
 for _end in TERMINAL:
     TABLE.update({
         (_end, E.EXPECT): _R(None, (F.DROP,)),
         (_end, E.ABORT): _R(None, (F.DROP,)),  # e.g. the client leaves after its KV arrived
         (_end, E.SUPERSEDED): _R(None),
+        # A request of the same prompt and kv_transfer_params after this transfer ended (the
+        # scheduler lets such a sibling use the KV this one brought; this is the last line): P
+        # writes nothing more, so the load fails at once and D computes it, never waits for ever.
+        (_end, E.ALLOCATED): _R(None, (F.FAIL, F.FREE_LATE_BLOCKS), LATE_ALLOCATION),
     })
 
 
@@ -158,9 +164,10 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         ``expires_at`` from its watchdog."""
         step = Step(self._clock(now), payload=registration)
         entry = self._entry(registration.transfer_id, step, create=False)
-        if entry is None:
+        if entry is None:  # never expected, or forgotten: the blocks must not wait for it
             self._drop("allocated:unknown")
-            return []
+            tid = registration.transfer_id
+            return [FailTransfer(tid, LATE_ALLOCATION), FreeBlocks(tid, registration.block_ids)]
         self._fire(entry, DEvent.ALLOCATED, step)
         return step.actions
 
@@ -229,6 +236,9 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             step.actions.append(FinishLoad(tid))
         elif effect is F.FREE_BLOCKS:
             step.actions.append(FreeBlocks(tid, entry.registration.block_ids))
+        elif effect is F.FREE_LATE_BLOCKS:
+            self._drop("allocated:after_end")
+            step.actions.append(FreeBlocks(tid, step.payload.block_ids))
         elif effect is F.FAIL:
             step.actions.append(FailTransfer(tid, step.reason or entry.reason or entry.failure or "failed"))
         elif effect is F.DROP:

@@ -55,6 +55,7 @@ class REffect(enum.Enum):
 
 
 _R, _RE, _RF = RState, REvent, REffect
+LATE_ALLOCATION = "blocks allocated after this transfer ended: nothing will fill them"
 READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.NEW, _RE.OFFER): Rule(_R.WAITING, (_RF.ARM_OFFER,)),
     (_R.NEW, _RE.SUPERSEDED): Rule(_R.CANCELLED),
@@ -84,7 +85,9 @@ READER_TABLE: dict[tuple[RState, REvent], Rule] = {
 for _end in (_R.DONE, _R.FAILED, _R.CANCELLED):
     READER_TABLE.update({(_end, e): Rule(None, (_RF.DROP,)) for e in (_RE.OFFER, _RE.ABORT, _RE.READ_DONE, _RE.READ_FAILED)})
     READER_TABLE[(_end, _RE.SUPERSEDED)] = Rule(None)
-    READER_TABLE[(_end, _RE.ALLOCATED)] = Rule(None, (_RF.FREE_LATE_BLOCKS,))  # e.g. the offer lapsed
+    # e.g. the offer lapsed, or a request of the same prompt and kv_transfer_params came after
+    # this transfer ended: nothing will fill these blocks, so the load fails (D computes it).
+    READER_TABLE[(_end, _RE.ALLOCATED)] = Rule(None, (_RF.FAIL, _RF.FREE_LATE_BLOCKS), LATE_ALLOCATION)
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,9 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         """Our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index`` onwards."""
         step = Step(self._clock(now), payload=(local, tuple(block_ids), first_block_index))
         entry = self._entry(transfer_id, step, create=False)
-        if entry is None:
+        if entry is None:  # forgotten (its tombstone lapsed): the blocks must not wait for it
             self._drop("allocated:unknown")
-            return []
+            return [FailTransfer(transfer_id, LATE_ALLOCATION), FreeBlocks(transfer_id, tuple(block_ids))]
         self._fire(entry, REvent.ALLOCATED, step)
         return step.actions
 

@@ -294,13 +294,13 @@ class WorkerSide:
 
     def _on_failed(self, tid: TransferId, reason: str) -> None:
         """D: the KV will not come; FreeBlocks follows and ends the transfer."""
-        self._totals["transfers_failed"] += 1
-        self._failure_reasons[reason.split(":")[0]] += 1
         with self._lock:
             record = self._transfers.get(tid)
-            if record is None:
+            if record is None or record.failure is not None:  # counted once per request
                 return
             record.failure = reason
+            self._totals["transfers_failed"] += 1
+            self._failure_reasons[reason.split(":")[0]] += 1
             if not self.recompute:  # the request fails: its client learns why (failures.py)
                 self._told[router_transfer_id(tid)] = reason
         log.warning("request %s (transfer %s) gets no KV: %s", record.request_id, tid, reason)

@@ -4,9 +4,10 @@ import pytest
 
 from neuron_disagg.protocol import (
     Cancel, CancelAck, ConsumerCore, ConsumerTimeouts, DState, FailTransfer, FinishLoad, FreeBlocks,
-    Heartbeat, ProtocolError, RankRegions, Registration, SendMessage, TransferId, WriteDone, WriteFailed,
+    Heartbeat, RankRegions, Registration, SendMessage, TransferId, WriteDone, WriteFailed,
 )
-from neuron_disagg.protocol.consumer import TABLE, DEffect, DEvent
+from neuron_disagg.protocol.actions import Transitioned
+from neuron_disagg.protocol.consumer import LATE_ALLOCATION, TABLE, DEffect, DEvent
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions
 
 REGIONS = rank_regions(ModelShape(2, 2, 8, 2, 4), 16)
@@ -84,13 +85,15 @@ def test_every_table_row(state, event):
             assert FinishLoad in kinds
         elif effect is DEffect.FREE_BLOCKS:
             assert FreeBlocks(TID, DST) in actions
+        elif effect is DEffect.FREE_LATE_BLOCKS:  # the blocks just allocated, never registered
+            assert FreeBlocks(TID, registration().block_ids) in actions
         elif effect is DEffect.FAIL:
             assert FailTransfer in kinds
         elif effect is DEffect.ARM_FENCE:
             assert c.entries[TID].deadline == 1 + T.watchdog_s + T.max_write_s + T.clock_skew_allowance_s
         elif effect is DEffect.DROP:
             assert any(k.startswith("dropped") for k in c.counters)
-    if DEffect.FREE_BLOCKS not in rule.effects:
+    if not {DEffect.FREE_BLOCKS, DEffect.FREE_LATE_BLOCKS} & set(rule.effects):
         assert FreeBlocks not in kinds, "blocks freed by a row that does not free"
     if FailTransfer in kinds and FreeBlocks in kinds:  # the worker reports a load when its blocks are freed
         assert kinds.index(FailTransfer) < kinds.index(FreeBlocks), actions
@@ -172,10 +175,19 @@ def test_wrong_p_tp_size_is_not_a_verdict():
     assert c.state_of(TID) is DState.REGISTERED
 
 
-def test_allocated_in_the_wrong_state_is_a_caller_bug():
+def test_blocks_allocated_after_the_transfer_ended_fail_their_load_at_once_and_go_back():
+    """A second engine request of the same prompt and kv_transfer_params, allocated after the first
+    one's transfer ended: before, the core ignored it and the request waited for ever with its
+    blocks (seen in CI). Now its load fails at once (D computes the prompt) and only its own blocks
+    are freed; nothing goes to P. The same for a transfer never expected or long forgotten."""
     c = _reach(DState.DONE)
-    with pytest.raises(ProtocolError):
-        c.allocated(registration(), 5)
+    c.expect(TID, "p-host:1", 1, 4)
+    late = Registration(TID, "d", "d-req-2", "d-host:1", 1, (RankRegions(0, "d0", REGIONS),), (3, 4), 0, 0.0)
+    actions = [a for a in c.allocated(late, 5) if not isinstance(a, Transitioned)]
+    assert actions == [FailTransfer(TID, LATE_ALLOCATION), FreeBlocks(TID, (3, 4))]
+    assert c.state_of(TID) is DState.DONE
+    never = TransferId("never-expected", 0)
+    assert core().allocated(registration(never), 1) == [FailTransfer(never, LATE_ALLOCATION), FreeBlocks(never, DST)]
 
 
 def test_admission_timeout_fails_and_tells_p():
