@@ -9,7 +9,10 @@ One HTTP request becomes several engine requests — one per prompt of a list, o
 by the router's transfer id and a digest of its prompt's tokens (``transfer_key``), which P and D
 compute alike: each prompt's KV moves once. Engine requests that share a prompt are siblings: on P
 the first to finish hands its blocks over and the others free theirs; on D the first registers and
-the others wait for its KV, then compute from D's prefix cache as vLLM shares any prefix.
+the others wait for its KV, then compute from D's prefix cache as vLLM shares any prefix. A sibling
+may reach the scheduler only after the first one ended (vLLM adds each sample and each prompt of a
+list as its own engine request); the transfers that ended recently (``ENDED_KEPT``) are remembered
+for it, since asking again for a transfer that ended would get nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,8 @@ from .. import kv_params as leg_params
 from .metadata import Abort, AllocatedBlocks, Expect, KvReady, Lend, ReadOffer, StepMetadata
 
 log = logging.getLogger(__name__)
+#: Transfers remembered after their owner ended, for siblings that come later (a few hundred bytes each).
+ENDED_KEPT = 16384
 
 
 class OfferMaker:
@@ -151,6 +156,9 @@ class SchedulerSide:
         self.legs: dict[str, Leg] = {}
         self.owner: dict[TransferId, str] = {}  # a transfer -> the leg moving its KV (siblings share it)
         self.offered: dict[TransferId, dict[str, Any]] = {}  # P, pull: the params siblings answer with
+        # Transfers whose owner ended (D: its load over; P: its blocks handed over), oldest first,
+        # with P's pull answer: a sibling arriving after that uses what the owner brought.
+        self.ended: OrderedDict[TransferId, dict[str, Any] | None] = OrderedDict()
         self.counts: Counter[str] = Counter()  # metrics (stats.COUNTS) since the last report
         self._following: dict[str, None] = {}  # P: legs followed for an early hand-off, in arrival order
         self.unexpected: Counter[str] = Counter()  # transitions missing from the tables (bugs)
@@ -175,8 +183,8 @@ class SchedulerSide:
                 return None
             key = transfer_key(parsed.transfer_id, request.prompt_token_ids)
             state: DecodeState | PrefillState = _P.PREFILLING if parsed.role == "prefill" else _D.NEW
-            if parsed.role == "decode" and self.owner.get(key) in self.legs:
-                state = _D.FOLLOWING  # a sibling has (or is getting) this prompt's KV
+            if parsed.role == "decode" and (self.owner.get(key) in self.legs or key in self.ended):
+                state = _D.FOLLOWING  # a sibling has (or is getting, or got) this prompt's KV
             leg = self.legs[request.request_id] = Leg(request.request_id, parsed, key, state,
                                                       prompt_tokens=len(request.prompt_token_ids))
             sampling = getattr(request, "sampling_params", None)
@@ -220,7 +228,14 @@ class SchedulerSide:
         self._held_changed |= leg.state in HOLDING
         if self.owner.get(leg.key) == leg.request_id:
             del self.owner[leg.key]
-            self.offered.pop(leg.key, None)
+            # On P only a leg that handed its blocks over is an owner, so its end means "sent".
+            self.ended[leg.key] = self.offered.pop(leg.key, None)
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+
+    def _taken(self, key: TransferId, request_id: str) -> bool:
+        """P: another engine request hands (or handed) this prompt's KV over."""
+        return self.owner.get(key, request_id) != request_id or key in self.ended
 
     # -- D ---------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -293,8 +308,8 @@ class SchedulerSide:
                 self._step.abort.append(Abort(tid, "prefill", f"prefill request ended: {status}"))
             self._fire(leg, _E.ENDED)
             return True, None
-        if finished and self.owner.get(tid, request.request_id) != request.request_id:
-            answer = self.offered.get(tid)  # a sibling handed this prompt's KV over already
+        if finished and self._taken(tid, request.request_id):
+            answer = self.offered.get(tid) or self.ended.get(tid)  # a sibling handed this prompt's KV over
             self._fire(leg, _E.SIBLING_HANDED_OFF)
             return False, answer
         if finished and (leg.params.mode == "push" or self.offers is not None):
@@ -365,7 +380,7 @@ class SchedulerSide:
 
     def _hand_off_early(self, leg: Leg, after_forward: bool) -> None:
         self._stop_following(leg)
-        if self.owner.get(leg.key, leg.request_id) != leg.request_id:
+        if self._taken(leg.key, leg.request_id):
             return  # a sibling's KV is sent; this one is freed at its end
         leg.block_ids = leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
         self.owner[leg.key] = leg.request_id

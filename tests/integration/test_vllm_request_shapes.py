@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
+from neuron_disagg import kv_params  # noqa: E402
+
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, PATIENT, TIMEOUTS, blocks_back, explained, kv_usage, metric, nothing_held, prompt, run, wait_for,
 )
@@ -148,6 +150,43 @@ def test_a_request_decode_refuses_frees_prefills_kv_at_once(cluster, routed, mod
                     PATIENT["lease_s"] + 10, "P's KV back to none in use")
     assert took < PATIENT["lease_s"] / 2, f"P held the refused request's KV {took:.1f} s (its lease: {PATIENT['lease_s']} s)"
     blocks_back(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_legs_sent_again_after_their_transfer_ended_are_answered_at_once_and_hold_nothing(cluster, mode):
+    """Both legs once more, the same prompt and kv_transfer_params, after the first pair ended: what a
+    sample (n > 1) or a prompt of a list is when vLLM hands it to the engine after its sibling is
+    done. CI hung on that (push: D waited for ever, its blocks held); pull would have decoded from
+    blocks nothing filled. Now P frees its copy at once and D computes from its prefix cache:
+    monolithic's answer, within seconds."""
+    text = prompt(44, 120 + MODES.index(mode))
+    tid = f"sent-again-{mode}-{time.monotonic_ns()}#0"
+    p_body = completion(text, 1, kv_transfer_params=kv_params.prefill(cluster.signer, mode, tid))
+
+    async def twice():
+        async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as client:
+            p_url, d_url = f"{cluster.p.url}/v1/completions", f"{cluster.d.url}/v1/completions"
+            if mode == "push":
+                d_params = kv_params.push_decode(cluster.signer, tid, f"127.0.0.1:{cluster.p_side}", 1)
+                first = await asyncio.gather(client.post(p_url, json=p_body),
+                                             client.post(d_url, json=completion(text, 8, kv_transfer_params=d_params)))
+            else:
+                p = await client.post(p_url, json=p_body)
+                d_params = kv_params.pull_decode(cluster.signer, tid, [p.json()["kv_transfer_params"]])
+                first = (p, await client.post(d_url, json=completion(text, 8, kv_transfer_params=d_params)))
+            started = time.monotonic()
+            with explained(cluster):
+                again = await asyncio.gather(client.post(p_url, json=p_body),
+                                             client.post(d_url, json=completion(text, 8, kv_transfer_params=d_params)))
+            return first, again, time.monotonic() - started
+
+    want = run(monolithic(cluster, "/v1/completions", completion(text, 8)))
+    first, again, took = run(twice())
+    assert [r.status_code for r in (*first, *again)] == [200] * 4, [r.text for r in (*first, *again)]
+    texts = [r.json()["choices"][0]["text"] for r in (first[1], again[1])]
+    assert texts == [want[1][0][1]] * 2 and took < 10, (texts, want, took)
+    freed = wait_for(lambda: kv_usage(cluster.p) == 0.0, PATIENT["lease_s"] + 10, "P's KV back to none in use")
+    assert freed < PATIENT["lease_s"] / 2, f"P held the repeated leg's KV {freed:.1f} s (its lease: {PATIENT['lease_s']} s)"
 
 
 @pytest.mark.parametrize("mode", MODES)

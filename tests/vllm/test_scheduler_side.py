@@ -389,3 +389,48 @@ def test_a_sibling_that_finishes_its_prefill_later_is_freed_at_its_end():
     assert [k.request_id for k in meta.kv_ready_after_forward] == ["0"]
     assert p.request_finished(second, [8, 9, 10]) == (False, None)
     assert p.request_finished(first, [3, 4, 5]) == (True, None) and not p.unexpected
+
+
+def test_a_sample_that_arrives_after_its_sibling_ended_computes_from_the_prefix_cache_at_once():
+    """vLLM adds each sample (n > 1) and each prompt of a list as its own engine request: on a busy
+    host one can reach the scheduler after its sibling loaded, decoded and ended. Asking for the
+    transfer again would wait for a KV that P already sent (in CI, for ever, its blocks held)."""
+    d = SchedulerSide(BLOCK, SIGNER)
+    first = request("0_r", A, PUSH_D)
+    assert d.get_num_new_matched_tokens(first, 0) == (40, True)
+    d.update_state_after_alloc(first, blocks(5, 6, 7), 40)
+    d.update_connector_output(output(recving={"0_r"}))
+    assert d.request_finished(first, [5, 6, 7]) == (False, None) and not d.legs
+    d.build_connector_meta(None)
+    late = request("1_r", A, PUSH_D)
+    assert d.get_num_new_matched_tokens(late, 32) == (0, False)
+    meta = d.build_connector_meta(None)
+    assert not meta.expect and not meta.register and not d.legs and not d.unexpected
+    other = request("0_s", B, PUSH_D)  # another prompt of the request still loads
+    assert d.get_num_new_matched_tokens(other, 0) == (30, True)
+
+
+def test_a_prefill_sibling_that_arrives_after_the_kv_was_sent_is_freed_at_once(monkeypatch):
+    p = SchedulerSide(BLOCK, SIGNER)
+    first = one_token_request("0")
+    p.get_num_new_matched_tokens(first, 0)
+    p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))  # handed over early
+    assert p.request_finished(first, [3, 4, 5]) == (True, None)
+    p.update_connector_output(output(sending={"0"}))
+    assert not p.legs
+    late = one_token_request("1")
+    p.get_num_new_matched_tokens(late, 0)
+    meta = p.build_connector_meta(step(new={"1": (0, [8, 9, 10])}, scheduled={"1": 40}))
+    assert not meta.kv_ready_after_forward and not meta.kv_ready
+    assert p.request_finished(late, [8, 9, 10]) == (False, None)  # vLLM frees its blocks now
+    assert not p.build_connector_meta(None).kv_ready and not p.legs and not p.unexpected
+
+
+def test_ended_transfers_are_remembered_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr("neuron_disagg.vllm.scheduler.ENDED_KEPT", 2)
+    d = SchedulerSide(BLOCK, SIGNER)
+    for i, tokens in enumerate((A, B, range(200, 220))):
+        r = request(f"{i}_r", tokens, PUSH_D)
+        d.get_num_new_matched_tokens(r, 0)
+        d.request_finished(r, [])
+    assert list(d.ended) == [transfer_key(TransferId("req.1", 0), list(t)) for t in (B, range(200, 220))]
