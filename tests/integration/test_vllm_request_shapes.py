@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
@@ -240,7 +240,10 @@ SHAPES = st.fixed_dictionaries({"prompt": PROMPTS, "max_tokens": st.integers(1, 
     "stop": st.lists(st.sampled_from([" the", " fox", "a"]), max_size=2)})
 
 
+# No shrinking: an example costs real requests, and after a leak each one waits out the blocks check
+# (CI spent over five minutes shrinking once); the failing shape is reported as generated.
 @settings(max_examples=16, deadline=None, derandomize=True, print_blob=True,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(shape=SHAPES, mode=st.sampled_from(MODES))
 def test_random_request_shapes_end_as_monolithic_or_a_400(cluster, routed, shape, mode):
