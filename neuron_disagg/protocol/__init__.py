@@ -15,7 +15,7 @@ from .errors import (
     UnknownVersion,
 )
 from .messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, ReadDone, ReadFailed, ReadStarting, Message, RankRegions, Region, Registration, TransferId,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, ReadDone, ReadFailed, Message, RankRegions, Region, Registration, TransferId,
     Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from .plan import WritePlan, peer_ranks, plan_write

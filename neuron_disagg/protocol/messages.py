@@ -212,16 +212,6 @@ class ReadDone(msgspec.Struct, frozen=True, tag="read_done"):
     d_tp_size: int
 
 
-class ReadStarting(msgspec.Struct, frozen=True, tag="read_starting"):
-    """Pull mode, D -> P: D's rank ``d_rank`` is posting its READ now. A wake-up, not a state change,
-    as ``WriteStarting`` is in push: P's lender progresses its agent lazily while the offer travels
-    (the router's hop, D's allocation) and closely from this until the loan ends, since a READ
-    completes only as the target's agent is progressed. Lost, it costs the read up to one tick."""
-
-    transfer_id: TransferId
-    d_rank: int
-
-
 class ReadFailed(msgspec.Struct, frozen=True, tag="read_failed"):
     """Pull mode, D -> P: D rank ``d_rank`` will read nothing (more); none of its READs is in flight."""
 
@@ -241,7 +231,7 @@ class Withdraw(msgspec.Struct, frozen=True, tag="withdraw"):
     reason: str
 
 
-Message = Union[PullOffer, ReadDone, ReadFailed, ReadStarting, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
+Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
                 CancelAck, AgentInfoRequest, AgentInfo, Withdraw]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

@@ -37,7 +37,7 @@ from ..config import Config
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.geometry import QWEN3_32B, ModelShape, rank_regions, regions_bytes
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed, ReadStarting,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
     Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.lender import LenderCore, LenderTimeouts
@@ -130,7 +130,7 @@ class Peer:
         if isinstance(message, AgentInfoRequest):  # the agent as it is now: a reset renames it
             return AgentInfo(self.rank, self.transport.name, self.transport.metadata(),
                              tuple((span.addr, span.length) for span in region_spans(self.regions)))
-        wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadStarting, ReadFailed),
+        wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
                   ("decode", "push"): (WriteStarting, WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
         if isinstance(message, wanted):
             self.thread.deliver(message)

@@ -8,8 +8,7 @@ never run on the engine loop — that is what made the reference pull connector 
 ``PullLender`` — one per prefill TP worker (``neuron-disagg-pull-lender-<rank>``): holds offered
 blocks under the lease, frees them when every reading D rank confirmed (``ReadDone`` rides on the
 READ and arrives as a transport notification; ``ReadFailed`` comes over the side channel) or when
-the lease ends. It polls its agent closely only for loans D said it is reading (``ReadStarting``):
-from offer to read, on the core P computes on, a tick is enough.
+the lease ends.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Callable
 
 from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SubmitRead
 from ..protocol.errors import MessageError
-from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, ReadStarting, TransferId, Withdraw
+from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId, Withdraw
 from ..protocol.lender import LenderCore
 from ..protocol.reader import ReaderCore
 from ..protocol.wire import WireCodec
@@ -33,7 +32,6 @@ from .transport import Transport
 from .thread import TransferThread
 
 log = logging.getLogger(__name__)
-READ_STARTING_UNLENT_S = 1.0  # how long a ReadStarting for a loan not yet lent keeps P polling
 
 
 class PullReader(TransferThread):
@@ -113,9 +111,6 @@ class PullReader(TransferThread):
             for event in ("d_read_posted", "d_read_done"):
                 self.timeline.mark(submit.transfer_id, event)
             return self._then(lambda: self.core.read_done(submit.transfer_id, time.time()))
-        # P's lender progresses its agent lazily until told a read is coming (messages.ReadStarting).
-        self.peers.send(submit.p_side_channel, tuple(sorted({part.peer_rank for part in parts})),
-                        ReadStarting(submit.transfer_id, self.core.tp_rank))
         self.timeline.mark(submit.transfer_id, "d_read_posted")  # before: cma copies inside the post
         error = self.reads.submit(submit.transfer_id, "READ", parts, self.codec.encode(submit.notification))
         if error:
@@ -131,9 +126,6 @@ class PullLender(TransferThread):
         self.on_free = on_free
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
-        # Loans D said it is reading (when told): only these poll closely. One told of before its
-        # Lend arrived (the engine hands it over a step after the offer left) is kept a while.
-        self._reading: dict[TransferId, float] = {}
         self._handlers.update({
             Lend: lambda item, now: self._perform(self.core.offer(item.offer, now)),
             Deliver: self._message,
@@ -144,10 +136,7 @@ class PullLender(TransferThread):
 
     def _message(self, item: Deliver, now: float) -> None:
         message = item.message
-        if isinstance(message, ReadStarting):
-            if self.core.state_of(message.transfer_id) not in self.core.TERMINAL:
-                self._reading[message.transfer_id] = now  # the loop polls right after this
-        elif isinstance(message, Withdraw):
+        if isinstance(message, Withdraw):
             self._perform(self.core.withdraw(message.transfer_id, message.reason, now))
         else:
             self._perform(self.core.confirmed(message, now))
@@ -156,14 +145,14 @@ class PullLender(TransferThread):
         """Engine: prefill finished and ``offer`` went to the router; hold its blocks."""
         self._inbox.put(Lend(offer))
 
-    def deliver(self, message: ReadStarting | ReadFailed | Withdraw) -> None:
+    def deliver(self, message: ReadFailed | Withdraw) -> None:
         self._inbox.put(Deliver(message))
 
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
     def _busy(self) -> bool:
-        return bool(self._reading)
+        return bool(self.core.live())
 
     def _failed(self, action: FailTransfer) -> None:
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
@@ -183,7 +172,3 @@ class PullLender(TransferThread):
 
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))
-        for tid, told in list(self._reading.items()):  # ended: confirmed by every reader, or lapsed
-            state = self.core.state_of(tid)
-            if state in self.core.TERMINAL or (state is None and now - told > READ_STARTING_UNLENT_S):
-                del self._reading[tid]

@@ -20,7 +20,7 @@ from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed, ReadStarting,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
     Registration, TransferId, Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.producer import ProducerCore
@@ -123,8 +123,7 @@ class WorkerSide:
                                      self.staging)
             self.pull = PullLender(LenderCore(self.tp_rank, self.tp_size, t.lender_timeouts(), total_heads=heads),
                                    self.transport, self.codec, peers(self.transport, "pull"), self._on_free)
-            routes = {Registration: self.push, Heartbeat: self.push, Cancel: self.push, ReadStarting: self.pull,
-                      ReadFailed: self.pull}
+            routes = {Registration: self.push, Heartbeat: self.push, Cancel: self.push, ReadFailed: self.pull}
             withdrawn = (self.push, self.pull)  # the router's Withdraw names no mode: both look
         else:
             heads = self.total_heads

@@ -332,34 +332,3 @@ def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfe
     d.wait("loaded", tid)
     time.sleep(0.2)
     idle_for(0.5)
-
-
-def test_the_lender_polls_closely_only_once_d_says_it_is_reading(ranks):
-    """Pull: from P's offer to D's READ (the router's hop, D's allocation) the lender polls its agent
-    a tick apart, not every half millisecond on the core P computes on; D's ReadStarting makes it
-    poll closely until the loan ends. Without the hint the read still completes."""
-    p, d = ranks("prefill", "--mode", "pull"), ranks("decode", "--mode", "pull")
-    lender = p.peer.thread
-    tid = ("read-hinted", 0)
-    offer = p.lend(tid=list(tid), blocks=[3, 4])["offer"]
-    time.sleep(0.2)  # the offer travels; D allocates
-    assert lender.core.live() and not lender._busy()
-    told = []
-    original = lender.deliver
-    lender.deliver = lambda m: told.append(type(m).__name__) or original(m)
-    d.offered(tid=list(tid), offer=offer)
-    d.allocate(tid=list(tid), blocks=[7, 8])
-    d.wait("loaded", tid)
-    p.wait("free", tid)
-    assert "ReadStarting" in told
-    deadline = time.monotonic() + 2
-    while lender._busy() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not lender._busy()  # the loan ended: back to lazy progress
-    dropped = ("read-unhinted", 0)
-    lender.deliver = lambda m: None if type(m).__name__ == "ReadStarting" else original(m)
-    offer = p.lend(tid=list(dropped), blocks=[5, 6])["offer"]
-    d.offered(tid=list(dropped), offer=offer)
-    d.allocate(tid=list(dropped), blocks=[9, 10])
-    d.wait("loaded", dropped, timeout=2 * lender.tick_interval_s + 2)
-    p.wait("free", dropped, timeout=2 * lender.tick_interval_s + 2)
