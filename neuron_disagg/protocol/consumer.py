@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .actions import Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage
-from .machine import Entry, Rule, StateMachine, Step
+from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, refuse_late_allocation
 from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
 from .plan import writer_ranks
 
@@ -97,7 +97,6 @@ TABLE: dict[tuple[DState, DEvent], Rule] = {
     (S.TIMING_OUT, E.SUPERSEDED): _R(S.CANCELLING),
     (S.TIMING_OUT, E.EXPECT): _R(None, (F.DROP,)),
 }
-LATE_ALLOCATION = "blocks allocated after this transfer ended: nothing will fill them"
 for _end in TERMINAL:
     TABLE.update({
         (_end, E.EXPECT): _R(None, (F.DROP,)),
@@ -166,8 +165,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         entry = self._entry(registration.transfer_id, step, create=False)
         if entry is None:  # never expected, or forgotten: the blocks must not wait for it
             self._drop("allocated:unknown")
-            tid = registration.transfer_id
-            return [FailTransfer(tid, LATE_ALLOCATION), FreeBlocks(tid, registration.block_ids)]
+            return refuse_late_allocation(registration.transfer_id, registration.block_ids)
         self._fire(entry, DEvent.ALLOCATED, step)
         return step.actions
 

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .actions import Action, Transitioned
+from .actions import Action, FailTransfer, FreeBlocks, Transitioned
 from .errors import ProtocolError
 from .messages import TransferId
 
@@ -52,6 +52,17 @@ class Step:
     reason: str | None = None
     payload: Any = None
     actions: list[Action] = field(default_factory=list)
+
+
+#: D's cores, for blocks allocated for a transfer that has ended (or was never known): the load fails.
+LATE_ALLOCATION = "blocks allocated after this transfer ended: nothing will fill them"
+
+
+def refuse_late_allocation(transfer_id: TransferId, block_ids: tuple[int, ...]) -> list[Action]:
+    """D's cores, for blocks allocated for a transfer they hold no entry of: fail the load, then
+    free those blocks (never offered to P, so nothing can land in them); the worker reports a load
+    when its blocks are freed, so the failure comes first."""
+    return [FailTransfer(transfer_id, LATE_ALLOCATION), FreeBlocks(transfer_id, tuple(block_ids))]
 
 
 def clock_behind_reason(me: str, them: str, their_clock: float, my_clock: float, allowance_s: float) -> str:

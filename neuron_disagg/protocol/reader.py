@@ -16,7 +16,7 @@ import numpy as np
 
 from .actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead
 from .errors import PlanError
-from .machine import Entry, Rule, StateMachine, Step, clock_behind_reason
+from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, clock_behind_reason, refuse_late_allocation
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from .plan import WritePlan, plan_rank_write, writer_ranks
 
@@ -55,7 +55,6 @@ class REffect(enum.Enum):
 
 
 _R, _RE, _RF = RState, REvent, REffect
-LATE_ALLOCATION = "blocks allocated after this transfer ended: nothing will fill them"
 READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.NEW, _RE.OFFER): Rule(_R.WAITING, (_RF.ARM_OFFER,)),
     (_R.NEW, _RE.SUPERSEDED): Rule(_R.CANCELLED),
@@ -139,7 +138,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         entry = self._entry(transfer_id, step, create=False)
         if entry is None:  # forgotten (its tombstone lapsed): the blocks must not wait for it
             self._drop("allocated:unknown")
-            return [FailTransfer(transfer_id, LATE_ALLOCATION), FreeBlocks(transfer_id, tuple(block_ids))]
+            return refuse_late_allocation(transfer_id, block_ids)
         self._fire(entry, REvent.ALLOCATED, step)
         return step.actions
 
