@@ -24,7 +24,7 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from ..arglists import positive_list
 from . import report
-from .load import Load, RunResult, mean_step_us, run, scratch_dir, step_quantile_us, step_time
+from .load import CPU, WALL, Load, RunResult, mean_step_us, run, scratch_dir, step_quantile_us, step_time
 from .topology import MODES, ServerSettings, groups, started
 
 
@@ -132,9 +132,11 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list
             if before:
                 for side, earlier, later in (("prefill", before[0], step_time(topo.prefill.url)),
                                              ("decode", before[1], step_time(topo.decode.url))):
-                    setattr(result, f"{side}_step_us", mean_step_us(earlier, later))
-                    for q in (50, 99):
-                        setattr(result, f"{side}_step_p{q}_us", step_quantile_us(earlier, later, q / 100))
+                    setattr(result, f"{side}_step_us", mean_step_us(earlier[WALL], later[WALL]))
+                    for series, clock in (("step", WALL), ("step_cpu", CPU)):
+                        for q in (50, 99):
+                            setattr(result, f"{side}_{series}_p{q}_us",
+                                    step_quantile_us(earlier[clock], later[clock], q / 100))
             out.append(result)
             progress.advance(task)
     return out

@@ -48,6 +48,10 @@ class RunResult:
     prefill_step_p99_us: float | None = None
     decode_step_p50_us: float | None = None
     decode_step_p99_us: float | None = None
+    prefill_step_cpu_p50_us: float | None = None  # the same steps' CPU time on the engine thread
+    prefill_step_cpu_p99_us: float | None = None
+    decode_step_cpu_p50_us: float | None = None
+    decode_step_cpu_p99_us: float | None = None
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -109,25 +113,29 @@ def breakdown_between(directory: str, start: float, end: float) -> dict[str, flo
     return {name: round(statistics.median(p[name] for p in parts) * 1e3, 2) for name in parts[0]}
 
 
-def step_time(url: str) -> StepTime:
-    """``neuron_disagg_connector_step_seconds`` summed over its labels (0 steps if not exported)."""
+WALL, CPU = "neuron_disagg_connector_step_seconds", "neuron_disagg_connector_step_cpu_seconds"
+
+
+def step_time(url: str) -> dict[str, StepTime]:
+    """The connector's step histograms, wall clock and CPU (``WALL``, ``CPU``), each summed over its
+    labels (0 steps if not exported)."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return StepTime()
-    return parse_step_time(text)
+        text = ""
+    return {name: parse_step_time(text, name) for name in (WALL, CPU)}
 
 
-def parse_step_time(text: str) -> StepTime:
-    """``neuron_disagg_connector_step_seconds`` in Prometheus text, summed over its labels."""
+def parse_step_time(text: str, name: str = WALL) -> StepTime:
+    """The histogram ``name`` in Prometheus text, summed over its labels."""
     total = StepTime()
     for line in text.splitlines():
         value = line.rsplit(" ", 1)[-1]
-        if line.startswith("neuron_disagg_connector_step_seconds_sum"):
+        if line.startswith(f"{name}_sum"):
             total.seconds += float(value)
-        elif line.startswith("neuron_disagg_connector_step_seconds_count"):
+        elif line.startswith(f"{name}_count"):
             total.steps += float(value)
-        elif line.startswith("neuron_disagg_connector_step_seconds_bucket") and 'le="' in line:
+        elif line.startswith(f"{name}_bucket") and 'le="' in line:
             bound = float(line.split('le="', 1)[1].split('"', 1)[0])
             total.buckets[bound] = total.buckets.get(bound, 0.0) + float(value)
     return total

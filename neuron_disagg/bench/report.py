@@ -47,15 +47,23 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
                  ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0),
                  ("tpot_p50_ms", "TPOT p50 ms", 1), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
-                 ("prefill_step_p50_us", "P step p50 us", 0), ("prefill_step_p99_us", "P step p99 us", 0),
-                 ("decode_step_p50_us", "D step p50 us", 0), ("decode_step_p99_us", "D step p99 us", 0),
+                 ("prefill_step", "P step p50/p99 us", 0), ("prefill_step_cpu", "P CPU p50/p99 us", 0),
+                 ("decode_step", "D step p50/p99 us", 0), ("decode_step_cpu", "D CPU p50/p99 us", 0),
                  ("completed", "ok", 0), ("failed", "failed", 0))
 
 
+def _cell(row: dict, key: str, digits: int) -> str:
+    if key in row:
+        return _fmt(row[key], digits)
+    low, high = row[f"{key}_p50_us"], row[f"{key}_p99_us"]  # a step-time pair: p50/p99
+    return "-" if low is None and high is None else f"{_fmt(low, digits)}/{_fmt(high, digits)}"
+
+
 def table(results: list[RunResult]) -> list[list[str]]:
-    """Header and rows of the comparison table (strings), in the run's order."""
+    """Header and rows of the comparison table (strings), in the run's order. Connector step times
+    are p50/p99 pairs, wall clock ("step") and the engine thread's CPU time ("CPU")."""
     header = [title for _, title, _ in TABLE_COLUMNS]
-    body = [[_fmt(row[key], digits) for key, _, digits in TABLE_COLUMNS] for row in rows(results)]
+    body = [[_cell(row, key, digits) for key, _, digits in TABLE_COLUMNS] for row in rows(results)]
     return [header, *body]
 
 

@@ -175,7 +175,7 @@ class Peer:
             self.thread.lend(offer)
             return {"offer": base64.b64encode(self.codec.encode(offer)).decode()}
         elif op == "offered":  # pull, D: the decode leg arrived with P's offer
-            self.thread.offered(self.codec.decode(base64.b64decode(cmd["offer"])))
+            self.thread.offered(tid, (base64.b64decode(cmd["offer"]),))
         elif op == "allocate" and self.mode == "pull":
             self.thread.allocated(tid, RankRegions(0, self.agent, self.regions), tuple(cmd["blocks"]),
                                   cmd.get("first", 0))

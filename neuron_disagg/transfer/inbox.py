@@ -38,9 +38,11 @@ class Allocated:
 
 @dataclass(frozen=True, slots=True)
 class Offered:
-    """Engine, D, pull: P's verified offer for a transfer."""
+    """Engine, D, pull: the signed offers the decode leg carried for a transfer (one per prompt of
+    the request), unverified: the reader checks them, off the engine loop."""
 
-    offer: PullOffer
+    transfer_id: TransferId
+    frames: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)

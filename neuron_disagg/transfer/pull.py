@@ -42,10 +42,11 @@ class PullReader(TransferThread):
         self.core, self.transport, self.codec = core, transport, codec
         self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
         self.stats: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()  # offers whose frames failed verification, by reason
         self.reads = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
                               self.stats)
         self._handlers.update({
-            Offered: lambda item, now: self._perform(self.core.offered(item.offer, now)),
+            Offered: self._offered,
             ReadInto: self._read_into,
             Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now)),
             PeerReady: self._peer_ready})
@@ -56,8 +57,9 @@ class PullReader(TransferThread):
             FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids)})
 
     # -- engine side: queue puts only ---------------------------------------------------------------
-    def offered(self, offer: PullOffer) -> None:
-        self._inbox.put(Offered(offer))
+    def offered(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> None:
+        """Engine: the decode leg's signed offers (``frames``), one of them for ``transfer_id``."""
+        self._inbox.put(Offered(transfer_id, tuple(frames)))
 
     def allocated(self, transfer_id: TransferId, local: RankRegions, block_ids: tuple[int, ...],
                   first_block_index: int = 0, fence: KVFence | None = None) -> None:
@@ -70,6 +72,25 @@ class PullReader(TransferThread):
     # -- the thread ------------------------------------------------------------------------------------
     def _busy(self) -> bool:
         return bool(self.reads)
+
+    def _offered(self, item: Offered, now: float) -> None:
+        try:
+            offer = self._verified_offer(item.transfer_id, item.frames)
+        except MessageError as exc:
+            # The core never hears of it: the allocation that follows finds no transfer and goes
+            # straight back (ReaderCore.allocated), and the request fails with this reason.
+            self.rejected[exc.reason] += 1
+            log.warning("transfer %s: prefill's offer rejected: %s", item.transfer_id, exc)
+            self.on_failed(item.transfer_id, f"offer rejected: {exc}")
+            return
+        self._perform(self.core.offered(offer, now))
+
+    def _verified_offer(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
+        for frame in frames:
+            offer = self.codec.decode(frame)  # raises on a bad signature, version or schema
+            if isinstance(offer, PullOffer) and offer.transfer_id == transfer_id:
+                return offer
+        raise MessageError(f"none of the {len(frames)} offers is for this prompt's transfer {transfer_id}")
 
     def _read_into(self, item: ReadInto, now: float) -> None:
         if item.fence is not None:

@@ -28,6 +28,30 @@ from .worker import WorkerSide
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
 
+class StepClock:
+    """What one engine step spends in our worker hooks (I5), two ways: wall time, what the engine
+    loop waited, and the engine thread's CPU time, what our code cost it. They differ by the time
+    the thread waited for its core: where an instance shares one core (the bench), that is mostly
+    other processes' work — P's API server wakes in the step after a request ends — which would
+    have delayed whatever the engine loop was running."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self) -> "StepClock":
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._wall
+        self.cpu += time.thread_time() - self._cpu
+
+    def take(self) -> tuple[float, float]:
+        """(wall, cpu) seconds since the last take, and start over."""
+        spent, (self.wall, self.cpu) = (self.wall, self.cpu), (0.0, 0.0)
+        return spent
+
+
 class NeuronDisaggConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -41,7 +65,7 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         if transfer.kv_role not in _ROLES:
             raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
                              "or kv_consumer (decode)")
-        self._step_seconds = 0.0
+        self._step = StepClock()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self._engine_id = transfer.engine_id
@@ -112,9 +136,9 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         there would make a finished prefill's write wait for a whole further step; on CPU, where the
         forward is synchronous, that is a whole prefill of another request."""
         super().bind_connector_metadata(connector_metadata)
-        start = time.perf_counter()
-        self.worker_side.hand_off(connector_metadata)
-        self._step_seconds = time.perf_counter() - start
+        self._step.take()  # a new step
+        with self._step:
+            self.worker_side.hand_off(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Worker, each step: nothing to do here; loads are asynchronous on our threads."""
@@ -128,9 +152,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Worker, once per step after the forward: prefills this forward completed go to the writer
         now (push); nothing here waits for the KV or the write."""
-        start = time.perf_counter()
-        self.worker_side.after_forward()
-        self._step_seconds += time.perf_counter() - start
+        with self._step:
+            self.worker_side.after_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Worker, each step (vLLM 0.32+): requests whose blocks the threads released, loaded, or
@@ -151,12 +174,12 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         return blocks
 
     def _results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        start = time.perf_counter()
-        sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
-        step = self._step_seconds + time.perf_counter() - start  # I5: what the engine loop paid us
-        self._step_seconds = 0.0
+        with self._step:
+            sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
+        wall, cpu = self._step.take()  # I5: what the engine loop paid us
         if sending or recving or self.has_connector_metadata():
-            self.worker_side.step_us.append(step * 1e6)
+            self.worker_side.step_us.append(wall * 1e6)
+            self.worker_side.step_cpu_us.append(cpu * 1e6)
         return sending, recving, failed
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:

@@ -4,7 +4,8 @@ server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
 
 The payload is a plain dict (vLLM sends it between processes):
 ``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...],
-"failed_requests": {router transfer id: reason}}`` (the last for ``failures.py``), and
+"step_cpu_us": [...], "failed_requests": {router transfer id: reason}}`` (``step_us`` and
+``step_cpu_us``: each step's time in our hooks, wall clock and engine-thread CPU; ``connector.StepClock``) (the last for ``failures.py``), and
 from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed (a
 gauge, so a leak shows on /metrics as a value that does not come back to 0) and its own counts.
 """
@@ -37,7 +38,8 @@ COUNTS = {
 
 
 def empty() -> dict[str, Any]:
-    return {"counts": {}, "failures": {}, "recomputed": {}, "write_ms": [], "step_us": [], "failed_requests": {}}
+    return {"counts": {}, "failures": {}, "recomputed": {}, "write_ms": [], "step_us": [], "step_cpu_us": [],
+            "failed_requests": {}}
 
 
 def _median(values: list[float]) -> float:
@@ -55,7 +57,7 @@ class Deltas:
         self._writes = 0
 
     def payload(self, totals: Counter, failures: Counter, write_seconds: list[float], step_us: list[float],
-                failed_requests: dict[str, str], recompute: bool) -> dict[str, Any] | None:
+                step_cpu_us: list[float], failed_requests: dict[str, str], recompute: bool) -> dict[str, Any] | None:
         """None when nothing changed. ``recompute``: D under kv_load_failure_policy recompute, where
         every failed load went back to vLLM to compute (counted as recomputed, by reason)."""
         counts = {k: v - self._counts[k] for k, v in totals.items() if v - self._counts[k]}
@@ -65,7 +67,8 @@ class Deltas:
         if not (counts or new_failures or write_ms or step_us or failed_requests):
             return None
         return {"counts": counts, "failures": new_failures, "recomputed": new_failures if recompute else {},
-                "write_ms": write_ms, "step_us": step_us, "failed_requests": failed_requests}
+                "write_ms": write_ms, "step_us": step_us, "step_cpu_us": step_cpu_us,
+                "failed_requests": failed_requests}
 
 
 class ConnectorStats(KVConnectorStats):
@@ -86,7 +89,8 @@ class ConnectorStats(KVConnectorStats):
         mine["failures"] = dict(Counter(mine["failures"]) + Counter(theirs.get("failures", {})))
         mine["recomputed"] = dict(Counter(mine.get("recomputed", {})) + Counter(theirs.get("recomputed", {})))
         mine["write_ms"] = mine["write_ms"] + list(theirs.get("write_ms", []))
-        mine["step_us"] = mine["step_us"] + list(theirs.get("step_us", []))
+        for series in ("step_us", "step_cpu_us"):
+            mine[series] = mine.get(series, []) + list(theirs.get(series, []))
         mine["failed_requests"] = {**mine.get("failed_requests", {}), **theirs.get("failed_requests", {})}
         if "held_blocks" in theirs:  # a gauge: the latest value wins
             mine["held_blocks"] = theirs["held_blocks"]
@@ -97,6 +101,7 @@ class ConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {name: d["counts"].get(name, 0) for name in COUNTS}
         out["write_ms_p50"] = round(_median(d["write_ms"]), 3)
         out["connector_us_per_step_p50"] = round(_median(d["step_us"]), 1)
+        out["connector_cpu_us_per_step_p50"] = round(_median(d.get("step_cpu_us", [])), 1)
         out["recomputed"] = sum(d.get("recomputed", {}).values())
         if "held_blocks" in d:
             out["held_blocks"] = d["held_blocks"]
@@ -127,6 +132,10 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
         self._step = self._histogram_cls(
             "neuron_disagg_connector_step_seconds", "time the connector spends on the engine loop per step",
             labelnames=labelnames, buckets=STEP_BUCKETS_S)
+        self._step_cpu = self._histogram_cls(
+            "neuron_disagg_connector_step_cpu_seconds", "the engine thread's CPU time in the connector per "
+            "step (the wall-clock series less the time the thread waited for its core)",
+            labelnames=labelnames, buckets=STEP_BUCKETS_S)
         role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None) or "unknown"
         self._role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, role)
         self._held = self._gauge_cls(
@@ -147,8 +156,9 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             self._recomputed.labels(*labels, reason).inc(value)
         for ms in transfer_stats_data.get("write_ms", []):
             self._write.labels(*labels).observe(ms / 1e3)
-        for us in transfer_stats_data.get("step_us", []):
-            self._step.labels(*labels).observe(us / 1e6)
+        for series, histogram in (("step_us", self._step), ("step_cpu_us", self._step_cpu)):
+            for us in transfer_stats_data.get(series, []):
+                histogram.labels(*labels).observe(us / 1e6)
         if "held_blocks" in transfer_stats_data:
             self._held.labels(*labels, self._role).set(transfer_stats_data["held_blocks"])
         remember(transfer_stats_data.get("failed_requests") or {})

@@ -18,9 +18,8 @@ from ..config import Config
 from ..platforms import select_platform
 from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
 from ..protocol.consumer import ConsumerCore
-from ..protocol.errors import MessageError
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
+    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, RankRegions, ReadFailed,
     Registration, TransferId, Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.producer import ProducerCore
@@ -80,6 +79,7 @@ class WorkerSide:
         self._told: dict[str, str] = {}  # D, policy fail: router transfer id -> why, for the client's error
         self._deltas = Deltas()                      # what earlier stats snapshots already sent
         self.step_us: list[float] = []               # connector time on the engine loop, per step
+        self.step_cpu_us: list[float] = []           # ... as the engine thread's CPU time
         self._after_forward: list = []               # P: this step's KvReady for after its forward
 
     # -- start-up ----------------------------------------------------------------------------------------
@@ -207,15 +207,7 @@ class WorkerSide:
                 self._on_failed(alloc.transfer_id, f"{PULL_NEEDS_REGISTERED_KV}; use push")
                 self._on_free(alloc.transfer_id, alloc.block_ids)
                 continue
-            try:
-                offer = self._offer_for(alloc.transfer_id, read.offers)
-            except MessageError as exc:  # the request fails now instead of waiting for nothing
-                log.warning("request %s: prefill's offer rejected: %s", alloc.request_id, exc)
-                self._totals["messages_rejected"] += 1
-                self._on_failed(alloc.transfer_id, f"offer rejected: {exc}")
-                self._on_free(alloc.transfer_id, alloc.block_ids)
-                continue
-            self.pull.offered(offer)
+            self.pull.offered(alloc.transfer_id, read.offers)  # verified on the reader thread
             self.pull.allocated(alloc.transfer_id, self.rank_regions, alloc.block_ids, alloc.first_block_index,
                                 fence)
         for abort in step.abort:
@@ -237,14 +229,6 @@ class WorkerSide:
             self._track(r.transfer_id, r.request_id)
         for r in ready:
             self.push.kv_ready(r.transfer_id, r.block_ids, fence, ready_at)
-
-    def _offer_for(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> PullOffer:
-        """The verified offer, among the ones the router carried, for this prompt's transfer."""
-        for frame in frames:
-            offer = self.codec.decode(frame)  # raises on a bad signature, version or schema
-            if isinstance(offer, PullOffer) and offer.transfer_id == transfer_id:
-                return offer
-        raise MessageError(f"none of the {len(frames)} offers is for this prompt's transfer {transfer_id}")
 
     def _track(self, tid: TransferId, request_id: str) -> None:
         """Before the threads hear of a transfer, so that their callbacks find its record."""
@@ -313,7 +297,7 @@ class WorkerSide:
         totals = Counter(self._totals)
         failures = Counter(self._failure_reasons)
         totals["messages_rejected"] += sum(self.server.rejected.values()) + sum(
-            getattr(self.push, "rejected", {}).values())
+            sum(getattr(thread, "rejected", {}).values()) for thread in (self.push, self.pull))
         totals["registrations_rejected"] = self.push.core.counters["registration_rejected"]
         write_seconds: list[float] = []
         for initiator in (self.push, self.pull):  # P's writer, D's reader: whoever posts transfers
@@ -328,9 +312,10 @@ class WorkerSide:
             totals["lease_expiries"] = failures["lease expired"]
             write_seconds = self.push.writes.done_seconds
         step_us, self.step_us = self.step_us, []
+        step_cpu_us, self.step_cpu_us = self.step_cpu_us, []
         with self._lock:
             told, self._told = self._told, {}
-        return self._deltas.payload(totals, failures, write_seconds, step_us, told,
+        return self._deltas.payload(totals, failures, write_seconds, step_us, step_cpu_us, told,
                                     recompute=self.role == "decode" and self.recompute)
 
     def handshake(self) -> RankHandshake:

@@ -65,6 +65,16 @@ def test_breakdown_takes_only_the_runs_own_requests(tmp_path):
     assert breakdown_between(str(tmp_path), 200.0, 300.0) is None
 
 
+def test_the_table_shows_step_times_as_p50_p99_pairs_wall_and_cpu():
+    runs = [result("monolithic", 1.0, 100.0),
+            result("push", 1.0, 150.0, prefill_step_p50_us=10.0, prefill_step_p99_us=2000.0,
+                   prefill_step_cpu_p50_us=10.0, prefill_step_cpu_p99_us=75.0)]
+    header, mono, push = report.table(runs)
+    cell = dict(zip(header, push))
+    assert (cell["P step p50/p99 us"], cell["P CPU p50/p99 us"], cell["D step p50/p99 us"]) == ("10/2000", "10/75", "-")
+    assert dict(zip(header, mono))["P CPU p50/p99 us"] == "-"
+
+
 def test_step_time_difference():
     assert mean_step_us(StepTime(1.0, 100), StepTime(1.002, 104)) == 500.0
     assert mean_step_us(StepTime(1.0, 100), StepTime(1.0, 100)) is None

@@ -1,6 +1,7 @@
 """The push writer and receiver threads over the in-memory transport and real loopback side
 channels: their lifecycle, isolation from slow peers, and error propagation."""
 
+import base64
 import threading
 import time
 
@@ -36,6 +37,10 @@ class Rank:
                         return e
                 assert time.monotonic() < deadline, f"no {kind} for {tid}: {self.events}"
                 self.cond.wait(0.05)
+
+    def events_of(self, kind):
+        with self.cond:
+            return [e for e in self.events if e["event"] == kind]
 
     def __getattr__(self, op):
         return lambda **kw: self.peer.command({"op": op, **kw})
@@ -332,3 +337,26 @@ def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfe
     d.wait("loaded", tid)
     time.sleep(0.2)
     idle_for(0.5)
+
+
+@pytest.mark.parametrize("frames", ["forged", "for another transfer", "garbage"])
+def test_the_pull_reader_refuses_an_offer_it_cannot_verify_and_frees_the_blocks(ranks, frames):
+    """D's reader checks the offers the decode leg carried (off the engine loop): a forged one, or
+    none for this prompt's transfer, fails the load with the reason and returns the blocks at once."""
+    p, d = ranks("prefill", "--mode", "pull"), ranks("decode", "--mode", "pull")
+    tid = ("refused", 0)
+    offer = base64.b64decode(p.lend(tid=list(tid), blocks=[1, 2])["offer"])
+    sent = {"forged": offer[:-1] + bytes([offer[-1] ^ 1]),
+            "for another transfer": base64.b64decode(p.lend(tid=["other", 0], blocks=[3])["offer"]),
+            "garbage": b"not an offer"}[frames]
+    d.offered(tid=list(tid), offer=base64.b64encode(sent).decode())
+    d.allocate(tid=list(tid), blocks=[5, 6])
+    assert "offer rejected" in d.wait("failed", tid)["reason"]
+    assert sorted(d.wait("free", tid)["blocks"]) == [5, 6]
+    assert sum(d.stats()["notifications_rejected"].values()) == 1
+    assert d.stats()["outstanding_blocks"] == 0 and not d.events_of("loaded")
+    # the same reader still reads a good offer
+    good = ("accepted", 0)
+    d.offered(tid=list(good), offer=p.lend(tid=list(good), blocks=[7])["offer"])
+    d.allocate(tid=list(good), blocks=[8])
+    d.wait("loaded", good)

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from neuron_disagg.platforms.kv_layout import BLOCKS, HEAD, HEADS, KV, TOKENS  # noqa: E402
 from neuron_disagg.vllm import compat  # noqa: E402
-from neuron_disagg.vllm.connector import NeuronDisaggConnector, _refuse_hybrid_kv_cache  # noqa: E402
+from neuron_disagg.vllm.connector import NeuronDisaggConnector, StepClock, _refuse_hybrid_kv_cache  # noqa: E402
 from neuron_disagg.vllm.neuron_plugin import UnsupportedNeuronPlugin, refuse_unsupported_platform  # noqa: E402
 from neuron_disagg.vllm.scheduler import DecodeState, SchedulerSide  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
@@ -68,12 +68,13 @@ def test_older_vllm_gets_a_failed_load_as_its_blocks(monkeypatch):
     class Worker:
         failed_blocks = {7, 8}
         step_us: list = []
+        step_cpu_us: list = []
 
         def transfer_results(self, finished):
             return set(), {"a", "b"}, {"b"}
 
     connector = object.__new__(NeuronDisaggConnector)
-    connector.worker_side, connector._step_seconds, connector._connector_metadata = Worker(), 0.0, None
+    connector.worker_side, connector._step, connector._connector_metadata = Worker(), StepClock(), None
     connector._failed_blocks = set()
     assert connector.get_finished(set()) == (None, {"a", "b"})
     assert connector.get_block_ids_with_load_errors() == {7, 8}

@@ -5,6 +5,7 @@ The path from the transfer threads into these payloads is exercised by the vLLM 
 from __future__ import annotations
 
 import functools
+import time
 from types import SimpleNamespace
 
 import prometheus_client
@@ -12,11 +13,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from neuron_disagg.vllm.connector import StepClock  # noqa: E402
 from neuron_disagg.vllm.stats import COUNTS, ConnectorPromMetrics, ConnectorStats  # noqa: E402
 
 
 def payload(**counts: int) -> dict:
-    return {"counts": counts, "failures": {}, "write_ms": [], "step_us": []}
+    return {"counts": counts, "failures": {}, "write_ms": [], "step_us": [], "step_cpu_us": []}
 
 
 def metric_types() -> tuple[prometheus_client.CollectorRegistry, dict]:
@@ -78,3 +80,32 @@ def test_the_bench_reads_from_metrics_whether_the_step_p99_met_100_us():
     assert 100.0 < step_quantile_us(start, over, 0.99) <= 150.0
     metrics.observe({**payload(), "step_us": [20.0] * 98 + [90.0] * 2})
     assert step_quantile_us(over, read(), 0.99) == 100.0
+
+
+def test_the_step_clock_tells_the_engine_threads_cpu_from_its_waiting():
+    """Wall time counts a hook that waits (for the core, a lock, a sleep); CPU time only what ran."""
+    clock = StepClock()
+    with clock:
+        time.sleep(0.03)
+    with clock:  # one step, two hooks: the times add up
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+    wall, cpu = clock.take()
+    assert wall >= 0.05 and 0.02 <= cpu < 0.035
+    assert clock.take() == (0.0, 0.0)  # the next step starts from nothing
+
+
+def test_wall_and_cpu_step_times_are_exported_and_read_as_separate_series():
+    from neuron_disagg.bench.load import CPU, WALL, parse_step_time, step_quantile_us
+    registry, types = metric_types()
+    metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    start = {name: parse_step_time("", name) for name in (WALL, CPU)}
+    step = ConnectorStats({**payload(), "step_us": [2000.0] * 2 + [20.0] * 98, "step_cpu_us": [15.0] * 97 + [60.0] * 3})
+    step.aggregate(ConnectorStats({**payload(), "step_us": [30.0], "step_cpu_us": [25.0]}))  # a second rank
+    metrics.observe(step.data)
+    text = prometheus_client.generate_latest(registry).decode()
+    wall, cpu = parse_step_time(text, WALL), parse_step_time(text, CPU)
+    assert wall.steps == cpu.steps == 101
+    assert step_quantile_us(start[WALL], wall, 0.99) == 2000.0
+    assert step_quantile_us(start[CPU], cpu, 0.99) == 75.0

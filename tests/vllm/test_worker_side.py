@@ -105,19 +105,17 @@ def test_prefill_reports_sent_only_for_requests_vllm_listed_finished_in_either_o
     assert not p._finished_by_vllm  # a plain request's id was never kept
 
 
-def test_a_pull_read_with_no_offer_for_its_transfer_fails_at_once(monkeypatch):
+def test_a_pull_read_hands_the_legs_offers_unverified_to_the_reader_in_two_puts(monkeypatch):
+    """Checking the offers' signatures is the reader's work, off the engine loop (transfer tests:
+    a forged or foreign offer fails the load and frees its blocks)."""
     d = worker(monkeypatch, "decode")
-    codec = WireCodec(SECRET.encode())
-    wrong = PullOffer(TransferId("req.1/zzz", 0), "p", "p:5600", 1, (), (1,), 1e12, 0.0)
-    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 0), (codec.encode(wrong),))]))
-    assert d.pull.calls == []  # nothing to read
+    frames = (b"first prompt's offer", b"second prompt's offer")
+    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 2), frames)]))
+    assert [c[0] for c in d.pull.calls] == ["offered", "allocated"]
+    assert d.pull.calls[0][1:] == (TID, frames) and d.pull.calls[1][1:4] == (TID, d.rank_regions, (7,))
+    d._on_failed(TID, "offer rejected: bad signature")  # what the reader reports for a forged one
+    d._on_free(TID, (7,))
     assert d.transfer_results(set()) == (set(), {RID}, {RID}) and d.failed_blocks == {7}
-    right = PullOffer(TID, "p", "p:5600", 1, (), (1,), 1e12, 0.0)
-    other = TransferId("req.3/x", 0)
-    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(other, "r3", (8,), 0), (base64.b64decode("AAAA"),))]))
-    assert d.transfer_results(set())[2] == {"r3"}  # an unreadable frame fails the same way
-    d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 0), (codec.encode(wrong), codec.encode(right)))]))
-    assert [c[0] for c in d.pull.calls] == ["offered", "allocated"] and d.pull.calls[0][1] == right
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -131,7 +129,9 @@ def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_
     assert first["failed_requests"] == ({} if recompute else {"req.1#0": "lease expired"})
     assert d.stats() is None  # nothing new
     d.step_us.append(42.0)
-    assert d.stats()["step_us"] == [42.0]
+    d.step_cpu_us.append(40.0)
+    got = d.stats()
+    assert (got["step_us"], got["step_cpu_us"]) == ([42.0], [40.0])
 
 
 def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_a_fence(monkeypatch):
