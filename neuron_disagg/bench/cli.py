@@ -24,7 +24,8 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from ..arglists import positive_list
 from . import report
-from .load import CPU, WALL, Load, RunResult, mean_step_us, run, scratch_dir, step_quantile_us, step_time
+from .load import (CPU, WALL, Load, RunResult, mean_step_us, read_connector, run, scratch_dir, step_quantile_us,
+                   thread_cpu_percent)
 from .topology import MODES, ServerSettings, groups, started
 
 
@@ -126,17 +127,21 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list
             run(mode, url, model, loads[-1], raw_dir / "warmup")
         for load in loads:
             progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
-            ours = topo.timeline_dir is not None  # only our connector exports its step time
-            before = (step_time(topo.prefill.url), step_time(topo.decode.url)) if ours else None
+            ours = topo.timeline_dir is not None  # only our connector exports these
+            before = (read_connector(topo.prefill.url), read_connector(topo.decode.url)) if ours else None
             result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
             if before:
-                for side, earlier, later in (("prefill", before[0], step_time(topo.prefill.url)),
-                                             ("decode", before[1], step_time(topo.decode.url))):
-                    setattr(result, f"{side}_step_us", mean_step_us(earlier[WALL], later[WALL]))
+                result.thread_cpu_percent = {}
+                for side, earlier, later in (("prefill", before[0], read_connector(topo.prefill.url)),
+                                             ("decode", before[1], read_connector(topo.decode.url))):
+                    setattr(result, f"{side}_step_us", mean_step_us(earlier.steps[WALL], later.steps[WALL]))
                     for series, clock in (("step", WALL), ("step_cpu", CPU)):
                         for q in (50, 99):
                             setattr(result, f"{side}_{series}_p{q}_us",
-                                    step_quantile_us(earlier[clock], later[clock], q / 100))
+                                    step_quantile_us(earlier.steps[clock], later.steps[clock], q / 100))
+                    result.thread_cpu_percent.update(
+                        {f"{side[0].upper()} {thread}": pct
+                         for thread, pct in thread_cpu_percent(side, earlier, later).items()})
             out.append(result)
             progress.advance(task)
     return out
@@ -154,5 +159,7 @@ def _print(console: Console, results: list[RunResult]) -> None:
         if r.breakdown_ms:
             console.print(f"{r.mode} {r.rate} req/s in {r.input_len}: TTFT p50 segments "
                           + ", ".join(f"{k} {v:.1f}" for k, v in r.breakdown_ms.items() if k != "ttft") + " ms")
+        if r.thread_cpu_percent:
+            console.print(report.thread_line(r))
         if r.error:
             console.print(f"[red]{r.mode} {r.rate} req/s in {r.input_len}: {r.error}[/]")

@@ -52,6 +52,7 @@ class RunResult:
     prefill_step_cpu_p99_us: float | None = None
     decode_step_cpu_p50_us: float | None = None
     decode_step_cpu_p99_us: float | None = None
+    thread_cpu_percent: dict[str, float] | None = None  # "P writer", "D receiver"...: % of a core over the run
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -114,16 +115,44 @@ def breakdown_between(directory: str, start: float, end: float) -> dict[str, flo
 
 
 WALL, CPU = "neuron_disagg_connector_step_seconds", "neuron_disagg_connector_step_cpu_seconds"
+THREADS = {"prefill": {"push": "writer", "pull": "lender"}, "decode": {"push": "receiver", "pull": "reader"}}
 
 
-def step_time(url: str) -> dict[str, StepTime]:
-    """The connector's step histograms, wall clock and CPU (``WALL``, ``CPU``), each summed over its
-    labels (0 steps if not exported)."""
+@dataclass
+class ConnectorReading:
+    """What the bench reads from one instance's /metrics around a run: the connector's step
+    histograms (``WALL``, ``CPU``), its transfer threads' CPU time (µs, by mode), and when."""
+
+    steps: dict[str, StepTime]
+    thread_cpu_us: dict[str, float]
+    at: float  # monotonic
+
+
+def read_connector(url: str) -> ConnectorReading:
+    """Our connector's readings from ``url`` (zeros where it exports none)."""
+    at = time.monotonic()
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
         text = ""
-    return {name: parse_step_time(text, name) for name in (WALL, CPU)}
+    return ConnectorReading({name: parse_step_time(text, name) for name in (WALL, CPU)},
+                            {mode: counter_total(text, f"neuron_disagg_{mode}_thread_cpu_us_total")
+                             for mode in ("push", "pull")}, at)
+
+
+def counter_total(text: str, name: str) -> float:
+    """The samples of counter ``name`` in Prometheus text, summed over their labels."""
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
+
+def thread_cpu_percent(role: str, before: ConnectorReading, after: ConnectorReading) -> dict[str, float]:
+    """Each transfer thread's CPU between the readings, as % of one core ("writer", "receiver"...)."""
+    elapsed_us = (after.at - before.at) * 1e6
+    if elapsed_us <= 0:
+        return {}
+    return {THREADS[role][mode]: round((after.thread_cpu_us[mode] - before.thread_cpu_us[mode]) / elapsed_us * 100, 2)
+            for mode in ("push", "pull")}
 
 
 def parse_step_time(text: str, name: str = WALL) -> StepTime:

@@ -75,6 +75,12 @@ def idle_line(idle: dict[str, dict[str, float]], window_s: float | None) -> str:
     return f"Idle CPU (% of one core{window}, before any load): " + "; ".join(parts)
 
 
+def thread_line(r: RunResult) -> str:
+    """Our transfer threads' CPU over one run, from ``RunResult.thread_cpu_percent``."""
+    return (f"{r.mode} {r.rate} req/s in {r.input_len}: transfer threads' CPU (% of one core over the run) "
+            + ", ".join(f"{name} {pct:.2f}" for name, pct in (r.thread_cpu_percent or {}).items()))
+
+
 def markdown(results: list[RunResult], meta: dict) -> str:
     header, *body = table(results)
     lines = [f"# neuron-disagg bench — {meta.get('started', '')}", "",
@@ -94,6 +100,9 @@ def markdown(results: list[RunResult], meta: dict) -> str:
         for r in broken:
             lines.append(f"| {r.mode} | {r.rate} | {r.input_len} | "
                          + " | ".join(_fmt(r.breakdown_ms.get(s), 1) for s in segments) + " |")
+    threads = [r for r in results if r.thread_cpu_percent]
+    if threads:
+        lines += ["", "## Our transfer threads' CPU while loaded", ""] + [f"- {thread_line(r)}" for r in threads]
     if meta.get("idle_cpu_percent"):
         lines += ["", idle_line(meta["idle_cpu_percent"], meta.get("idle_seconds"))]
     errors = [r for r in results if r.error]

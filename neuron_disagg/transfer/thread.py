@@ -63,6 +63,7 @@ class TransferThread:
         self._died: BaseException | None = None   # for check(), every step until the engine stops
         self._working_since: float | None = None  # monotonic start of the turn in hand; None waiting
         self._seen_in_turn: tuple[float | None, float, float] = (None, 0.0, 0.0)  # check(): turn, first, last
+        self.cpu_seconds = 0.0  # the thread's CPU time, as of the end of its last turn (for metrics)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class TransferThread:
             next_tick = 0.0
             while True:
                 self._working_since = None
+                self.cpu_seconds = time.thread_time()
                 try:
                     item = self._inbox.get(timeout=self.poll_interval_s if self._busy() else
                                            self.tick_interval_s if self.core.has_live() else self.idle_progress_s)

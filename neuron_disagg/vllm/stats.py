@@ -34,6 +34,8 @@ COUNTS = {
                       "from vLLM's (each logged as an error; stays 0)",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
+    "push_thread_cpu_us": "CPU time of the push thread (P: the writer; D: the receiver), microseconds",
+    "pull_thread_cpu_us": "CPU time of the pull thread (P: the lender; D: the reader), microseconds",
 }
 
 

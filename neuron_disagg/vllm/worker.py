@@ -299,6 +299,8 @@ class WorkerSide:
         totals["messages_rejected"] += sum(self.server.rejected.values()) + sum(
             sum(getattr(thread, "rejected", {}).values()) for thread in (self.push, self.pull))
         totals["registrations_rejected"] = self.push.core.counters["registration_rejected"]
+        for mode, thread in (("push", self.push), ("pull", self.pull)):
+            totals[f"{mode}_thread_cpu_us"] = int(thread.cpu_seconds * 1e6)
         write_seconds: list[float] = []
         for initiator in (self.push, self.pull):  # P's writer, D's reader: whoever posts transfers
             if isinstance(initiator, (PushWriter, PullReader)):

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from neuron_disagg.bench import cli, report
-from neuron_disagg.bench.load import RunResult, StepTime, breakdown_between, mean_step_us, step_quantile_us
+from neuron_disagg.bench.load import (ConnectorReading, RunResult, StepTime, breakdown_between, counter_total,
+                                      mean_step_us, step_quantile_us, thread_cpu_percent)
 from neuron_disagg.bench.topology import groups
 from neuron_disagg.timeline import Timeline
 
@@ -73,6 +74,21 @@ def test_the_table_shows_step_times_as_p50_p99_pairs_wall_and_cpu():
     cell = dict(zip(header, push))
     assert (cell["P step p50/p99 us"], cell["P CPU p50/p99 us"], cell["D step p50/p99 us"]) == ("10/2000", "10/75", "-")
     assert dict(zip(header, mono))["P CPU p50/p99 us"] == "-"
+
+
+def test_transfer_threads_cpu_is_read_from_metrics_as_a_share_of_one_core_over_the_run():
+    text = ('# HELP neuron_disagg_push_thread_cpu_us_total CPU time of the push thread\n'
+            'neuron_disagg_push_thread_cpu_us_total{engine="0",model_name="m"} 1500.0\n'
+            'neuron_disagg_push_thread_cpu_us_total{engine="1",model_name="m"} 500.0\n'
+            'neuron_disagg_push_thread_cpu_us_created{engine="0",model_name="m"} 1.7e9\n'
+            'neuron_disagg_pull_thread_cpu_us_total{engine="0",model_name="m"} 100.0\n')
+    assert counter_total(text, "neuron_disagg_push_thread_cpu_us_total") == 2000.0  # not the _created sample
+    before = ConnectorReading({}, {"push": 2000.0, "pull": 100.0}, at=10.0)
+    after = ConnectorReading({}, {"push": 52000.0, "pull": 100.0}, at=20.0)
+    assert thread_cpu_percent("decode", before, after) == {"receiver": 0.5, "reader": 0.0}
+    assert thread_cpu_percent("prefill", before, after) == {"writer": 0.5, "lender": 0.0}
+    run = result("push", 1.0, 150.0, thread_cpu_percent={"P writer": 0.25, "D receiver": 0.5})
+    assert report.thread_line(run).endswith("P writer 0.25, D receiver 0.50")
 
 
 def test_step_time_difference():

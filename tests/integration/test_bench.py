@@ -30,6 +30,9 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     breakdown = runs["push"]["breakdown_ms"]
     assert breakdown and breakdown["prefill"] > 0 and breakdown["ttft"] > 0
     assert runs["push"]["prefill_step_us"] is not None and runs["push"]["decode_step_p99_us"] is not None
+    assert runs["push"]["decode_step_cpu_p99_us"] is not None
+    threads = runs["push"]["thread_cpu_percent"]
+    assert set(threads) == {"P writer", "P lender", "D receiver", "D reader"} and threads["P writer"] > 0
     assert runs["vllm-push"]["breakdown_ms"] is None  # vLLM's connector marks no timeline
     for name in ("results.md", "latency-in128.png", "ttft-breakdown.png"):
         assert (out / name).stat().st_size > 0

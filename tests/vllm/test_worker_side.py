@@ -36,6 +36,7 @@ class Thread:
         self.core = SimpleNamespace(counters=Counter())
         self.rejected: Counter = Counter()
         self.timeline = OFF
+        self.cpu_seconds = 0.0
 
     def __getattr__(self, name):
         return lambda *args: self.calls.append((name, *args))
@@ -236,3 +237,37 @@ def test_a_pause_of_the_whole_process_is_not_taken_for_a_stuck_thread(monkeypatc
         d.transfer_results(set())
     finally:
         paused.release.set()
+
+
+class Busy(Exploding):
+    """A real transfer thread whose handler computes for the time it is given."""
+
+    core = SimpleNamespace(has_live=lambda: False, counters=Counter())
+
+    def __init__(self):
+        super().__init__()
+        self._handlers[float] = self._compute
+
+    def _compute(self, seconds, now):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+
+def test_stats_report_each_transfer_threads_cpu_time_and_only_its_own(monkeypatch):
+    """P's writer or D's receiver ("push") and the lender or reader ("pull"), in µs since start;
+    the engine thread's own work is not theirs."""
+    d = worker(monkeypatch, "decode")
+    d.push, d.pull = Busy().start(), Busy().start()
+    try:
+        d.stats()
+        d.push._inbox.put(0.05)
+        end = time.thread_time() + 0.1  # the engine thread busy meanwhile
+        while time.thread_time() < end:
+            pass
+        d.push.shutdown()  # its last turn begins once the first one's work ended
+        counts = d.stats()["counts"]
+        assert 50_000 <= counts["push_thread_cpu_us"] < 90_000
+        assert counts.get("pull_thread_cpu_us", 0) < 10_000
+    finally:
+        d.pull.shutdown()
