@@ -39,7 +39,10 @@ class StepClock:
         self.wall = self.cpu = 0.0
 
     def __enter__(self) -> "StepClock":
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        # The thread's CPU clock is a system call (the wall clock is not): read it outside the wall
+        # window, or another process woken meanwhile preempts us on its return, inside the window.
+        self._cpu = time.thread_time()
+        self._wall = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
