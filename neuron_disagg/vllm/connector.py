@@ -31,9 +31,9 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 class StepClock:
     """What one engine step spends in our worker hooks (I5), two ways: wall time, what the engine
     loop waited, and the engine thread's CPU time, what our code cost it. They differ by the time
-    the thread waited for its core: where an instance shares one core (the bench), that is mostly
-    other processes' work — P's API server wakes in the step after a request ends — which would
-    have delayed whatever the engine loop was running."""
+    the thread waited, for a lock or for its core: where an instance shares one core (the bench),
+    mostly other processes' turns — P's API server wakes in the step after a request ends — which
+    would have delayed whatever the engine loop was running."""
 
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0

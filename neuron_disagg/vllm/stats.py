@@ -136,7 +136,7 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames, buckets=STEP_BUCKETS_S)
         self._step_cpu = self._histogram_cls(
             "neuron_disagg_connector_step_cpu_seconds", "the engine thread's CPU time in the connector per "
-            "step (the wall-clock series less the time the thread waited for its core)",
+            "step (the wall-clock series less the time the thread waited, for a lock or for its core)",
             labelnames=labelnames, buckets=STEP_BUCKETS_S)
         role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None) or "unknown"
         self._role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, role)
