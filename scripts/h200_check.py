@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import queue
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -222,9 +221,13 @@ class Rank:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A base port for an instance's ranks (port + rank), as every integration test picks one: below
+    the kernel's ephemeral range and clear of the neighbours of ports already handed out. (A port
+    from bind(("", 0)) is ephemeral: with a TP 2 instance, port + 1 was once some other socket's.)"""
+    sys.path.insert(0, str(REPO))
+    from neuron_disagg.local_cluster import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
 
 
 class Instances:
