@@ -4,8 +4,9 @@ server exports them on vLLM's ``/metrics`` as ``neuron_disagg_*``.
 
 The payload is a plain dict (vLLM sends it between processes):
 ``{"counts": {name: int}, "failures": {reason: int}, "write_ms": [...], "step_us": [...],
-"step_cpu_us": [...], "failed_requests": {router transfer id: reason}}`` (``step_us`` and
-``step_cpu_us``: each step's time in our hooks, wall clock and engine-thread CPU; ``connector.StepClock``) (the last for ``failures.py``), and
+"step_cpu_us": [...], "failed_requests": {router transfer id: reason}}`` (the step lists: each
+step's time in our hooks, wall clock and engine-thread CPU, ``connector.StepClock``; the last for
+``failures.py``), and
 from the scheduler side ``"held_blocks": int`` when the blocks it holds for transfers changed (a
 gauge, so a leak shows on /metrics as a value that does not come back to 0) and its own counts.
 """
