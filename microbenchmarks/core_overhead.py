@@ -2,9 +2,11 @@
 
 Geometry: Qwen3-32B (64 layers, 8 KV heads, head_dim 128, bf16), blocks of 16 tokens, TP 8 on both
 sides, a 16k-token request (1,024 blocks). For each block-list shape it prints the descriptors one
-P rank would post before and after merging, the time to plan them, and the whole core's time per
+P rank would post before and after merging, the time to plan them, the whole core's time per
 request on each side (P: registration + kv-ready + plan + write-done; D: expect + allocated +
-verdict). Run: .venv/bin/python microbenchmarks/core_overhead.py [--requests N]
+verdict), and P's kv-ready alone — what the write waits for once the prefill's KV is computed —
+as it is when the writer planned while the last forward ran (``kv_coming``) and when it did not.
+Run: .venv/bin/python microbenchmarks/core_overhead.py [--requests N]
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ def main() -> None:
     print(f"Qwen3-32B, TP{TP}->TP{TP}, {TOKENS} tokens = {BLOCKS} blocks, "
           f"{len(p_regions)} regions per rank, {args.requests} requests per row\n")
     header = (f"{'block list':<18}{'unmerged':>10}{'merged':>9}{'ratio':>8}{'plan ms':>9}"
-              f"{'P core us':>11}{'D core us':>11}{'reg bytes':>11}")
+              f"{'P core us':>11}{'D core us':>11}{'reg bytes':>11}{'kv-ready us':>13}{'planned ahead':>15}")
     print(header)
     print("-" * len(header))
     for name, (src, dst) in block_lists(rng).items():
         producer = ProducerCore(p_regions, 0, TP)
         consumer = ConsumerCore("127.0.0.1:1", 0, TP)
-        plan_ms, p_us, d_us = [], [], []
+        ahead = ProducerCore(p_regions, 0, TP)
+        plan_ms, p_us, d_us, ready_us, ahead_us = [], [], [], [], []
         for i in range(args.requests):
             tid = TransferId(f"r{i}")
             reg = Registration(tid, "d", f"d{i}", "127.0.0.1:1", TP, d_ranks, tuple(dst), 0, 0.0)
@@ -61,7 +64,9 @@ def main() -> None:
             sent = next(a for a in consumer.allocated(reg, 0.0) if hasattr(a, "message"))
             t1 = time.perf_counter()
             producer.registration_received(sent.message, 0.0)
+            t_ready = time.perf_counter()
             submit = next(a for a in producer.kv_ready(tid, tuple(src), 0.0) if hasattr(a, "plan"))
+            ready_us.append((time.perf_counter() - t_ready) * 1e6)
             producer.write_done(tid, 0.0)
             t2 = time.perf_counter()
             consumer.verdict(WriteDone(tid, 0, TP), 0.0)
@@ -69,14 +74,23 @@ def main() -> None:
             plan_write(p_regions, 0, TP, sent.message, src)
             t4 = time.perf_counter()
             plan_ms.append((t4 - t3) * 1e3)
+            ahead.registration_received(sent.message, 0.0)
+            ahead.kv_coming(tid, tuple(src))  # during the last forward: off the write's path
+            t5 = time.perf_counter()
+            early = next(a for a in ahead.kv_ready(tid, tuple(src), 0.0) if hasattr(a, "plan"))
+            ahead_us.append((time.perf_counter() - t5) * 1e6)
+            assert early.plan.descriptor_count == submit.plan.descriptor_count
+            ahead.write_done(tid, 0.0)
             p_us.append((t2 - t1) * 1e6)
             d_us.append(((t1 - t0) + (t3 - t2)) * 1e6)
         plan = submit.plan
         print(f"{name:<18}{plan.unmerged_count:>10,}{plan.descriptor_count:>9,}"
               f"{plan.unmerged_count / plan.descriptor_count:>7.0f}x{statistics.median(plan_ms):>9.2f}"
               f"{statistics.median(p_us):>11,.0f}{statistics.median(d_us):>11,.0f}"
-              f"{len(codec.encode(sent.message)):>11,}")
-    print("\nP core includes planning; D core is expect + allocated + one verdict. Medians.")
+              f"{len(codec.encode(sent.message)):>11,}{statistics.median(ready_us):>13,.0f}"
+              f"{statistics.median(ahead_us):>15,.0f}")
+    print("\nP core includes planning; D core is expect + allocated + one verdict; kv-ready is P's core "
+          "from the KV computed to the write submitted, planned then or ahead. Medians.")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from .messages import (
     WriteDone,
     WriteFailed,
 )
-from .plan import plan_write, target_ranks
+from .plan import WritePlan, plan_write, target_ranks
 
 
 class PState(enum.Enum):
@@ -62,7 +62,7 @@ class PEffect(enum.Enum):
     HOLD_BLOCKS = "remember the finished blocks"
     START_LEASE = "deadline := now + lease_s"
     RENEW_LEASE = "deadline := heartbeat's send time + lease_s"
-    SUBMIT_WRITE = "plan and submit the write; deadline := now + max_write_s"
+    SUBMIT_WRITE = "plan (unless kv_coming did) and submit the write; deadline := now + max_write_s"
     ABORT_WRITE = "release the in-flight write"
     FREE_BLOCKS = "free the held blocks"
     FREE_LATE_BLOCKS = "free blocks handed over after the transfer ended"
@@ -152,6 +152,7 @@ class ProducerTransfer(Entry[PState]):
     reply_to: str | None = None  # D's side channel, from its registration or cancel
     d_tp_size: int = 1
     partial: list[Registration] = field(default_factory=list)  # D ranks registered so far (P TP < D TP)
+    planned: tuple[Registration, tuple[int, ...], WritePlan] | None = None  # kv_coming's: for which registration and blocks
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,20 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         self._if_withdrawn(entry, step)
         return step.actions
 
+    def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
+        """The forward that completes this prefill is about to run and its KV will be in
+        ``block_ids``: if D has registered, plan the write now, so that ``kv_ready`` only submits
+        it. Changes no state; a plan kv_ready cannot use (other blocks, another registration) is
+        made again there."""
+        entry = self.entries.get(transfer_id)
+        if entry is None or entry.state is not PState.AWAITING_KV or entry.registration is None:
+            return
+        try:
+            plan = self._plan(entry.registration, block_ids)
+        except PlanError:
+            return  # kv_ready plans again and fails the transfer with the reason
+        entry.planned = (entry.registration, tuple(block_ids), plan)
+
     def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:
         """Every WRITE of the transfer completed (its notification went with it)."""
         return self._local(transfer_id, PEvent.WRITE_DONE, now, None)
@@ -282,6 +297,11 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             return []
         self._fire(entry, event, step)
         return step.actions
+
+    def _fire(self, entry: ProducerTransfer, event: PEvent, step: Step) -> None:
+        super()._fire(entry, event, step)
+        if entry.state is not PState.AWAITING_KV:
+            entry.planned = None  # only kv_ready from there submits it; ended entries keep no plan
 
     # -- effects ----------------------------------------------------------------------------------
     def _run_effect(self, entry: ProducerTransfer, effect: PEffect, step: Step) -> None:
@@ -331,10 +351,12 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
                                         message))
 
     def _submit(self, entry: ProducerTransfer, step: Step) -> None:
-        reg = entry.registration
+        reg, planned = entry.registration, entry.planned
         try:
-            plan = plan_write(self.regions, self.tp_rank, self.tp_size, reg, entry.block_ids,
-                              self.merge_descriptors, self.total_heads)
+            if planned is not None and planned[0] is reg and planned[1] == entry.block_ids:
+                plan = planned[2]
+            else:
+                plan = self._plan(reg, entry.block_ids)
         except PlanError as exc:
             self.counters["registration_rejected"] += 1
             step.payload = None
@@ -346,3 +368,6 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             entry.transfer_id, plan, reg.d_side_channel,
             WriteDone(entry.transfer_id, self.tp_rank, self.tp_size)))
 
+    def _plan(self, registration: Registration, block_ids: tuple[int, ...]) -> WritePlan:
+        return plan_write(self.regions, self.tp_rank, self.tp_size, registration, block_ids,
+                          self.merge_descriptors, self.total_heads)

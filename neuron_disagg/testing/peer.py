@@ -167,6 +167,8 @@ class Peer:
             self.allocated_at[tid] = time.perf_counter()
         if op == "kv_ready":
             self.thread.kv_ready(tid, tuple(cmd["blocks"]))
+        elif op == "kv_coming":  # push, P: the blocks the prefill's last forward is about to fill
+            self.thread.kv_coming(tid, tuple(cmd["blocks"]))
         elif op == "expect":
             self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
         elif op == "lend":  # pull, P: hold the blocks and return the signed offer for the router

@@ -20,6 +20,14 @@ class KvReady:
 
 
 @dataclass(frozen=True, slots=True)
+class KvComing:
+    """Engine, P: the forward about to run completes this prefill, into these blocks."""
+
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Expect:
     """Engine, D, push: a decode leg whose KV P will push."""
 

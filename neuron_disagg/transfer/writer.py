@@ -22,7 +22,7 @@ from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Wit
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
-from .inbox import Abort, Deliver, KvReady, PeerReady
+from .inbox import Abort, Deliver, KvComing, KvReady, PeerReady
 from .inflight import InFlight, Part
 from .peers import Peers
 from .staging import HostStaging
@@ -44,8 +44,8 @@ class PushWriter(TransferThread):
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
                                self.stats)
-        self._handlers.update({KvReady: self._kv_ready, Abort: self._abort, Deliver: self._message,
-                               PeerReady: self._peer_ready})
+        self._handlers.update({KvComing: self._kv_coming, KvReady: self._kv_ready, Abort: self._abort,
+                               Deliver: self._message, PeerReady: self._peer_ready})
         self._performers.update({SubmitWrite: self._submit, AbortWrite: lambda a: self.writes.release(a.transfer_id),
                                  FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids),
                                  FailTransfer: self._count_failure})
@@ -59,6 +59,12 @@ class PushWriter(TransferThread):
         loop cost it 35-110 us a step in the bench)."""
         self._inbox.put(KvReady(transfer_id, tuple(block_ids), fence, ready_at))
 
+    def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
+        """Engine, before the forward that completes this prefill: plan its write during the
+        forward (``ProducerCore.kv_coming``), not after it, when the write waits for the plan."""
+        if self.staging is None:  # staging plans with the host slots, known only once copied
+            self._inbox.put(KvComing(transfer_id, tuple(block_ids)))
+
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
@@ -67,6 +73,9 @@ class PushWriter(TransferThread):
         self._inbox.put(Deliver(message))
 
     # -- the thread: inbox items ---------------------------------------------------------------------
+    def _kv_coming(self, item: KvComing, now: float) -> None:
+        self.core.kv_coming(item.transfer_id, item.block_ids)
+
     def _kv_ready(self, item: KvReady, now: float) -> None:
         if item.ready_at is not None:
             self.timeline.mark(item.transfer_id, "p_kv_ready", item.ready_at)

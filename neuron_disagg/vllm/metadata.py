@@ -79,13 +79,14 @@ class StepMetadata(KVConnectorMetadata):
     register: list[AllocatedBlocks] = field(default_factory=list)
     kv_ready: list[KvReady] = field(default_factory=list)
     kv_ready_after_forward: list[KvReady] = field(default_factory=list)  # this step's forward ends them
+    kv_coming: list[KvReady] = field(default_factory=list)  # ... and handed over next step (async scheduling)
     lend: list[Lend] = field(default_factory=list)
     read: list[ReadOffer] = field(default_factory=list)
     abort: list[Abort] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.expect or self.register or self.kv_ready or self.kv_ready_after_forward or self.lend
-                    or self.read or self.abort)
+        return bool(self.expect or self.register or self.kv_ready or self.kv_ready_after_forward
+                    or self.kv_coming or self.lend or self.read or self.abort)
 
 
 @dataclass

@@ -371,8 +371,13 @@ class SchedulerSide:
                 continue
             if self.async_scheduling:
                 self._fire(leg, _E.LAST_CHUNK)
+                if not self._taken(leg.key, rid):  # the writer plans while this forward runs
+                    self._step.kv_coming.append(KvReady(leg.key, rid, self._prompt_blocks(leg)))
             else:
                 self._hand_off_early(leg, after_forward=True)
+
+    def _prompt_blocks(self, leg: Leg) -> tuple[int, ...]:
+        return leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
 
     def _stop_following(self, leg: Leg) -> None:
         leg.early = False
@@ -382,7 +387,7 @@ class SchedulerSide:
         self._stop_following(leg)
         if self._taken(leg.key, leg.request_id):
             return  # a sibling's KV is sent; this one is freed at its end
-        leg.block_ids = leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
+        leg.block_ids = self._prompt_blocks(leg)
         self.owner[leg.key] = leg.request_id
         self._fire(leg, _E.HANDED_OFF)
         self.counts["early_hand_offs"] += 1

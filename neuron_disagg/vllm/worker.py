@@ -186,6 +186,8 @@ class WorkerSide:
         fence = self.platform.wait_for_kv() if (step.kv_ready or step.register or step.read) else None
         self._to_writer(step.kv_ready, fence)
         self._after_forward = step.kv_ready_after_forward
+        for r in (*step.kv_coming, *self._after_forward):  # this forward computes their last tokens:
+            self.push.kv_coming(r.transfer_id, r.block_ids)  # the writer plans their writes meanwhile
         for expected in step.expect:
             self.push.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
         for alloc in step.register:

@@ -1,6 +1,8 @@
 """Push transfers between real P and D processes over NIXL (DRAM), once over UCX on 127.0.0.1 and
 once over LIBFABRIC's tcp provider in a private network namespace (see fabrics.py)."""
 
+import time
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -42,6 +44,26 @@ def test_bytes_land_exactly_in_either_order(pair, registration_first):
     tid = [f"order-{registration_first}", 0]
     p_blocks, d_blocks = [3, 4, 5, 9, 10], [20, 21, 22, 23, 40]
     _transfer(p, d, tid, p_blocks, d_blocks, seed=7, registration_first=registration_first)
+    _assert_delivered(p, d, tid, p_blocks, d_blocks)
+
+
+@pytest.mark.parametrize("announced", ["the same blocks", "other blocks"])
+def test_a_write_planned_during_the_last_forward_lands_exactly(pair, announced):
+    """P's engine names the blocks before the forward that fills them (kv_coming), after D's
+    registration arrived: the writer plans then. Named wrongly, the plan must not be used."""
+    p, d = pair
+    tid = [f"announced-{announced}", 0]
+    p_blocks, d_blocks = [11, 12, 13], [30, 31, 32]
+    p.call("fill", blocks=p_blocks, seed=5)
+    live = p.call("stats")["live"]
+    d.call("expect", tid=tid, p_address=p.address)
+    d.call("allocate", tid=tid, blocks=d_blocks)
+    deadline = time.monotonic() + 5
+    while p.call("stats")["live"] == live:  # until D's registration reached P
+        assert time.monotonic() < deadline, "D's registration never reached P"
+        time.sleep(0.01)
+    p.call("kv_coming", tid=tid, blocks=p_blocks if announced == "the same blocks" else [14, 15, 16])
+    p.call("kv_ready", tid=tid, blocks=p_blocks)
     _assert_delivered(p, d, tid, p_blocks, d_blocks)
 
 

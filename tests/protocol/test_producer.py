@@ -155,6 +155,59 @@ def test_rendezvous_matches_in_either_order_and_plans_the_write(registration_fir
     assert c.entries[TID].deadline == 2 + T.max_write_s
 
 
+def _sources(submit):
+    return [(w.src_addr.tolist(), w.dst_addr.tolist(), w.length.tolist()) for w in submit.plan.writes]
+
+
+def _fresh_plan_sources(blocks):
+    c = core()
+    c.registration_received(registration(), 0)
+    (submit,) = [a for a in c.kv_ready(TID, blocks, 1) if isinstance(a, SubmitWrite)]
+    return _sources(submit)
+
+
+def test_a_write_planned_while_the_last_forward_runs_is_submitted_without_planning_again(monkeypatch):
+    c = core()
+    c.registration_received(registration(), 0)
+    assert c.kv_coming(TID, BLOCKS) is None and c.state_of(TID) is PState.AWAITING_KV  # no transition
+    monkeypatch.setattr("neuron_disagg.protocol.producer.plan_write",
+                        lambda *a, **k: pytest.fail("kv_ready planned a write kv_coming had planned"))
+    (submit,) = [a for a in c.kv_ready(TID, BLOCKS, 1) if isinstance(a, SubmitWrite)]
+    monkeypatch.undo()
+    assert _sources(submit) == _fresh_plan_sources(BLOCKS)
+    assert c.entries[TID].planned is None  # submitted: nothing kept
+
+
+@pytest.mark.parametrize("case", ["other blocks", "before the registration", "rejected geometry"])
+def test_a_plan_kv_ready_cannot_use_is_made_again_there(case):
+    """The forward's blocks differ from those announced, D had not registered yet, or D's
+    registration cannot be planned: kv_ready plans for what it has, as without kv_coming."""
+    c = core()
+    bad = registration(blocks=(7, 8, 999))
+    if case == "before the registration":
+        c.kv_coming(TID, BLOCKS)
+        assert TID not in c.entries  # nothing created for a transfer D has not named
+    c.registration_received(bad if case == "rejected geometry" else registration(), 0)
+    if case != "before the registration":
+        c.kv_coming(TID, (0, 1, 2) if case == "other blocks" else BLOCKS)
+    actions = c.kv_ready(TID, BLOCKS, 1)
+    if case == "rejected geometry":
+        assert not any(isinstance(a, SubmitWrite) for a in actions)
+        assert c.counters["registration_rejected"] == 1 and FreeBlocks(TID, BLOCKS) in actions
+        return
+    (submit,) = [a for a in actions if isinstance(a, SubmitWrite)]
+    assert _sources(submit) == _fresh_plan_sources(BLOCKS)
+
+
+def test_a_transfer_that_ends_before_its_kv_is_ready_keeps_no_plan():
+    c = core()
+    c.registration_received(registration(), 0)
+    c.kv_coming(TID, BLOCKS)
+    assert c.entries[TID].planned is not None
+    c.cancel(cancel(), 1)
+    assert c.state_of(TID) is PState.CANCELLED and c.entries[TID].planned is None  # kept until the tombstone goes
+
+
 def test_registration_expired_on_arrival_is_never_written():
     c = core()
     c.kv_ready(TID, BLOCKS, 0)

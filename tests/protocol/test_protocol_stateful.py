@@ -155,13 +155,18 @@ class PushProtocol(RuleBasedStateMachine):
         self.perform("d", self.d.expect(tid, P_ADDR, 1, self.now))
 
     @precondition(lambda self: self.prefilling)
-    @rule(i=st.integers(0, 100))
-    def prefill_finishes(self, i):
+    @rule(i=st.integers(0, 100), announced=st.sampled_from(["not", "as computed", "other blocks"]))
+    def prefill_finishes(self, i, announced):
+        """``announced``: whether the engine told P's writer the blocks before the last forward
+        (kv_coming), and whether they are those the forward used: a plan made for other blocks
+        must never be written."""
         tid = self.prefilling.pop(i % len(self.prefilling))
         blocks = self.take(self.p_free, self.length[tid.request])
         if blocks is None:
             self.perform("p", self.p.abort(tid, "prefill out of blocks", self.p_now))
             return
+        if announced != "not":
+            self.p.kv_coming(tid, blocks if announced == "as computed" else tuple(b + 1 for b in blocks))
         for pos, block in enumerate(blocks):
             self._block("p", block, self.pattern(tid.request, pos))
         self.p_held[tid] = blocks

@@ -208,7 +208,8 @@ def _p_at(state):
 
 def _p_last_chunk(sibling=False):
     """An async-scheduling P whose request "0" had its prompt's last tokens scheduled (and a sibling
-    "1" of the same prompt, handed off already, when ``sibling``)."""
+    "1" of the same prompt, handed off already, when ``sibling``). That step's metadata names the
+    prompt's blocks, for the writer to plan during the forward, unless a sibling's KV went instead."""
     p = SchedulerSide(BLOCK, SIGNER, async_scheduling=True)
     if sibling:
         p.get_num_new_matched_tokens(one_token_request("1"), 0)
@@ -216,8 +217,9 @@ def _p_last_chunk(sibling=False):
         p.build_connector_meta(step())
     r = one_token_request("0")
     p.get_num_new_matched_tokens(r, 0)
-    p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
+    meta = p.build_connector_meta(step(new={"0": (0, [3, 4, 5, 6])}, scheduled={"0": 40}))
     assert p.legs["0"].state is PrefillState.LAST_CHUNK
+    assert [(k.request_id, k.block_ids) for k in meta.kv_coming] == ([] if sibling else [("0", (3, 4, 5))])
     return p, r
 
 
@@ -344,6 +346,7 @@ def test_async_scheduling_hands_over_a_step_later_unless_that_step_preempted_it(
     p, r = _p_last_chunk()
     (ready,) = p.build_connector_meta(step()).kv_ready  # at the next step's start
     assert ready.block_ids == (3, 4, 5)
+    assert not _p_last_chunk(sibling=True)[0].build_connector_meta(step()).kv_ready  # a sibling's was sent
     p, r = _p_last_chunk()
     assert not p.build_connector_meta(step(preempted={"0"}))  # its blocks were freed: nothing sent
     assert not p.build_connector_meta(step(new={"0": (0, [7, 8, 9])}, scheduled={"0": 40}))

@@ -140,14 +140,15 @@ def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_
     recorded: list[str] = []
     p.platform = SimpleNamespace(wait_for_kv=lambda: recorded.append("fence") or f"fence {len(recorded)}")
     p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
-    assert p.push.calls == [] and recorded == []  # its KV is still being computed
+    assert recorded == []  # its KV is still being computed: no fence yet
+    assert p.push.calls == [("kv_coming", TID, (1, 2))]  # but the writer may plan its write
     before = time.time()
     p.after_forward()
-    (call,) = p.push.calls
+    (_, call) = p.push.calls
     assert call[:4] == ("kv_ready", TID, (1, 2), "fence 1")  # a fence recorded behind the forward
     assert before <= call[4] <= time.time()  # when the KV was computed: the writer marks the timeline
     p.after_forward()
-    assert len(p.push.calls) == 1
+    assert len(p.push.calls) == 2
     p._on_free(TID, (1, 2))
     assert p.transfer_results({RID}) == ({RID}, set(), set())
 
@@ -156,7 +157,16 @@ def test_one_vllm_did_not_call_after_the_forward_goes_at_the_next_step_start(mon
     p = worker(monkeypatch, "prefill")
     p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
     p.hand_off(StepMetadata())  # e.g. a runner that defers wait_for_save
-    assert [c[:3] for c in p.push.calls] == [("kv_ready", TID, (1, 2))]
+    assert [c[:3] for c in p.push.calls] == [("kv_coming", TID, (1, 2)), ("kv_ready", TID, (1, 2))]
+
+
+def test_under_async_scheduling_the_writer_hears_of_a_prefill_before_its_last_forward(monkeypatch):
+    p = worker(monkeypatch, "prefill")
+    p.hand_off(StepMetadata(kv_coming=[KvReady(TID, RID, (1, 2))]))
+    p.after_forward()
+    assert p.push.calls == [("kv_coming", TID, (1, 2))]  # handed over only at the next step's start
+    p.hand_off(StepMetadata(kv_ready=[KvReady(TID, RID, (1, 2))]))
+    assert [c[:3] for c in p.push.calls[1:]] == [("kv_ready", TID, (1, 2))]
 
 
 class Exploding(TransferThread):
