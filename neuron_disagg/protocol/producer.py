@@ -355,6 +355,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         try:
             if planned is not None and planned[0] is reg and planned[1] == entry.block_ids:
                 plan = planned[2]
+                self.counters["write_planned_ahead"] += 1
             else:
                 plan = self._plan(reg, entry.block_ids)
         except PlanError as exc:

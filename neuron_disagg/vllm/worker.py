@@ -312,6 +312,7 @@ class WorkerSide:
             t = self.push.stats
             totals.update({"transfers": t["done"], "transfers_failed": t["failed"]})
             totals["registrations_rejected"] += t["registration_rejected"]
+            totals["writes_planned_ahead"] = self.push.core.counters["write_planned_ahead"]
             failures = Counter(self.push.failures)
             totals["lease_expiries"] = failures["lease expired"]
             write_seconds = self.push.writes.done_seconds

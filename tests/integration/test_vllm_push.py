@@ -268,10 +268,15 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
         return want, [r.json()["choices"][0]["text"] for r in plain], streamed
 
     early = metric(cluster.p, "neuron_disagg_early_hand_offs_total")
+    planned = metric(cluster.p, "neuron_disagg_writes_planned_ahead_total")
     want, plain, streamed = run(scenario())
     assert plain == want
     assert streamed == want
     handed_over_early(cluster, early, 6)
+    # D registers while P computes: for some of the six (not necessarily the shortest prompts) the
+    # writer planned while the last forward ran, and the write waited for no plan.
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_writes_planned_ahead_total") > planned, 30,
+             "a write planned during its prefill's last forward")
     blocks_back(cluster)
 
 

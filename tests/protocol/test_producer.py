@@ -176,6 +176,7 @@ def test_a_write_planned_while_the_last_forward_runs_is_submitted_without_planni
     monkeypatch.undo()
     assert _sources(submit) == _fresh_plan_sources(BLOCKS)
     assert c.entries[TID].planned is None  # submitted: nothing kept
+    assert c.counters["write_planned_ahead"] == 1
 
 
 @pytest.mark.parametrize("case", ["other blocks", "before the registration", "rejected geometry"])
@@ -197,6 +198,7 @@ def test_a_plan_kv_ready_cannot_use_is_made_again_there(case):
         return
     (submit,) = [a for a in actions if isinstance(a, SubmitWrite)]
     assert _sources(submit) == _fresh_plan_sources(BLOCKS)
+    assert c.counters["write_planned_ahead"] == 0
 
 
 def test_a_transfer_that_ends_before_its_kv_is_ready_keeps_no_plan():
