@@ -79,7 +79,7 @@ class StepMetadata(KVConnectorMetadata):
     register: list[AllocatedBlocks] = field(default_factory=list)
     kv_ready: list[KvReady] = field(default_factory=list)
     kv_ready_after_forward: list[KvReady] = field(default_factory=list)  # this step's forward ends them
-    kv_coming: list[KvReady] = field(default_factory=list)  # ... and handed over next step (async scheduling)
+    kv_coming: list[KvReady] = field(default_factory=list)  # so do these; handed over next step (async)
     lend: list[Lend] = field(default_factory=list)
     read: list[ReadOffer] = field(default_factory=list)
     abort: list[Abort] = field(default_factory=list)
