@@ -6,6 +6,9 @@ P rank would post before and after merging, the time to plan them, the whole cor
 request on each side (P: registration + kv-ready + plan + write-done; D: expect + allocated +
 verdict), and P's kv-ready alone — what the write waits for once the prefill's KV is computed —
 as it is when the writer planned while the last forward ran (``kv_coming``) and when it did not.
+Then, with two real NIXL agents (UCX) in this process over memory laid out as those ranks' KV, the
+time to build the write's NIXL request (descriptor lists and ``initialize_xfer``): the writer now
+does that during the last forward too, so after it the write is only posted.
 Run: .venv/bin/python microbenchmarks/core_overhead.py [--requests N]
 """
 
@@ -20,7 +23,7 @@ import numpy as np
 from neuron_disagg.protocol import (
     ConsumerCore, ProducerCore, RankRegions, Registration, TransferId, WireCodec, WriteDone, plan_write,
 )
-from neuron_disagg.protocol.geometry import QWEN3_32B, rank_regions
+from neuron_disagg.protocol.geometry import QWEN3_32B, rank_regions, regions_bytes
 
 TP, TOKENS = 8, 16_384
 BLOCKS = TOKENS // QWEN3_32B.block_tokens
@@ -91,6 +94,36 @@ def main() -> None:
               f"{statistics.median(ahead_us):>15,.0f}")
     print("\nP core includes planning; D core is expect + allocated + one verdict; kv-ready is P's core "
           "from the KV computed to the write submitted, planned then or ahead. Medians.")
+    nixl_requests(rng, args.requests)
+
+
+def nixl_requests(rng, requests: int) -> None:
+    """What building a write's NIXL request costs, for the same plans, with real agents."""
+    from neuron_disagg.transfer.transport import NixlTransport
+
+    blocks = POOL + 1  # block_lists' destinations run one past the pool
+    size = regions_bytes(rank_regions(QWEN3_32B, blocks, 0, TP))
+    p_memory, d_memory = np.zeros(size, np.uint8), np.zeros(size, np.uint8)  # untouched: never copied
+    p_regions = rank_regions(QWEN3_32B, blocks, 0, TP, base_addr=p_memory.ctypes.data)
+    d_regions = rank_regions(QWEN3_32B, blocks, 0, TP, base_addr=d_memory.ctypes.data)
+    p, d = NixlTransport("p0"), NixlTransport("d0")
+    p.register(p_regions)
+    d.register(d_regions)
+    p.add_peer(d.metadata())
+    d_ranks = (RankRegions(0, "d0", d_regions),)
+    print(f"\n{'block list':<18}{'descriptors':>12}{'NIXL request ms':>17}   (built during the last forward now)")
+    for name, (src, dst) in block_lists(rng).items():
+        reg = Registration(TransferId("nixl"), "d", "d0", "127.0.0.1:1", TP, d_ranks, tuple(dst), 0, 0.0)
+        (write,) = plan_write(p_regions, 0, TP, reg, src).writes
+        build_ms = []
+        for _ in range(max(3, requests // 4)):
+            t0 = time.perf_counter()
+            prepared = p.prepare("WRITE", "d0", write)
+            build_ms.append((time.perf_counter() - t0) * 1e3)
+            p.discard(prepared)
+        print(f"{name:<18}{len(write):>12,}{statistics.median(build_ms):>17.2f}")
+    p.close()
+    d.close()
 
 
 if __name__ == "__main__":

@@ -239,19 +239,25 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         self._if_withdrawn(entry, step)
         return step.actions
 
-    def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
+    def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> WritePlan | None:
         """The forward that completes this prefill is about to run and its KV will be in
         ``block_ids``: if D has registered, plan the write now, so that ``kv_ready`` only submits
-        it. Changes no state; a plan kv_ready cannot use (other blocks, another registration) is
-        made again there."""
+        it. Returns that plan, for the caller to build its transfers ahead too. Changes no state; a
+        plan kv_ready cannot use (other blocks, another registration) is made again there."""
         entry = self.entries.get(transfer_id)
         if entry is None or entry.state is not PState.AWAITING_KV or entry.registration is None:
-            return
+            return None
         try:
             plan = self._plan(entry.registration, block_ids)
         except PlanError:
-            return  # kv_ready plans again and fails the transfer with the reason
+            return None  # kv_ready plans again and fails the transfer with the reason
         entry.planned = (entry.registration, tuple(block_ids), plan)
+        return plan
+
+    def planned_write(self, transfer_id: TransferId) -> WritePlan | None:
+        """The plan ``kv_coming`` made that ``kv_ready`` may still submit, if any."""
+        entry = self.entries.get(transfer_id)
+        return entry.planned[2] if entry is not None and entry.planned is not None else None
 
     def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:
         """Every WRITE of the transfer completed (its notification went with it)."""

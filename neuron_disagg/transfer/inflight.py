@@ -5,6 +5,11 @@ Before posting, the remote side of every descriptor is checked against the memor
 said it registered (invariant I6): a registration or offer pointing anywhere else never becomes a
 transfer.
 
+A transfer's parts may be built ahead (``prepare``, from P's writer while the forward that computes
+the KV runs); ``submit`` then posts those it finds built for exactly its parts and to a peer still
+as loaded, and builds the rest. What is built and not submitted is released by ``discard_prepared``
+or ``keep_prepared``; a reset releases all of it first.
+
 Where a failed transfer can leave the agent itself unusable (``Transport.reset_after_failure``),
 a failure starts a drain: new parts are parked, and once nothing posted is still running the agent
 is replaced and every parked part handshakes again with the new one.
@@ -21,7 +26,7 @@ from typing import Any, Callable
 from ..protocol.messages import TransferId
 from ..protocol.plan import RankWrite
 from .peers import Peers
-from .transport import TransferFailed, Transport, spans_cover
+from .transport import Prepared, TransferFailed, Transport, spans_cover
 
 log = logging.getLogger(__name__)
 
@@ -54,43 +59,87 @@ class InFlight:
         self.post_seconds: list[float] = []   # submit -> every part posted (or parked)
         self.done_seconds: list[float] = []   # submit -> every part complete
         self._batches: dict[TransferId, _Batch] = {}
+        self._prepared: dict[TransferId, tuple[object, list[Prepared]]] = {}  # tid -> (key, built parts)
         self._draining = False  # a failure asked for a new agent; it comes once nothing runs
         self._reset_not_before = 0.0
 
     def __bool__(self) -> bool:
         return bool(self._batches) or self._draining
 
-    def _remote(self, op: str, part: Part):
-        p = part.plan
-        return (p.remote_agent, p.dst_addr) if op == "WRITE" else (p.remote_agent, p.src_addr)
+    def _registered(self, agent: str, op: str, plan: RankWrite) -> bool:
+        """I6: the remote side lies in memory ``agent`` registered (unknown spans: NIXL checks)."""
+        spans = self.peers.spans.get(agent)
+        remote = plan.dst_addr if op == "WRITE" else plan.src_addr
+        return spans is None or spans_cover(spans, remote, plan.length)
+
+    def prepare(self, tid: TransferId, op: str, plans: tuple[RankWrite, ...], key: object) -> None:
+        """Build the parts of a transfer to come whose peer agent is loaded, replacing what was
+        built for ``tid`` before; ``key`` is what ``keep_prepared`` later judges them by. A part
+        that cannot be built is left to ``submit``, which builds it again and reports why."""
+        self.discard_prepared(tid)
+        if self._draining:
+            return
+        built = []
+        for plan in plans:
+            if self.transport.has_peer(plan.remote_agent) and self._registered(plan.remote_agent, op, plan):
+                try:
+                    built.append(self.transport.prepare(op, plan.remote_agent, plan))
+                except TransferFailed:
+                    pass
+        if built:
+            self._prepared[tid] = (key, built)
+
+    def discard_prepared(self, tid: TransferId) -> None:
+        for prepared in self._prepared.pop(tid, (None, ()))[1]:
+            self.transport.discard(prepared)
+
+    def keep_prepared(self, still_wanted: Callable[[TransferId, object], bool]) -> None:
+        """Release what was built for transfers whose key ``still_wanted`` no longer accepts."""
+        for tid, (key, _) in list(self._prepared.items()):
+            if not still_wanted(tid, key):
+                self.discard_prepared(tid)
 
     def submit(self, tid: TransferId, op: str, parts: list[Part], frame: bytes) -> str | None:
         """Post every part (or park it until its peer is known). Returns a failure reason, or None."""
         batch = _Batch(op, frame)
         self._batches[tid] = batch
-        for part in parts:
-            batch.agents.add(part.plan.remote_agent)
-            if self._draining:
-                batch.parked.append(part)  # handshaken with the new agent, after the reset
-            elif self.transport.has_peer(part.plan.remote_agent):
-                error = self._post(batch, part)
-                if error:
-                    self.release(tid)
-                    return error
-            else:
-                batch.parked.append(part)
-                self._handshake(part)
+        built = self._prepared.pop(tid, (None, []))[1]
+        try:
+            for part in parts:
+                batch.agents.add(part.plan.remote_agent)
+                if self._draining:
+                    batch.parked.append(part)  # handshaken with the new agent, after the reset
+                elif self.transport.has_peer(part.plan.remote_agent):
+                    prepared = next((p for p in built if p.write is part.plan and p.op == op), None)
+                    if prepared is not None:
+                        built.remove(prepared)
+                    error = self._post(batch, part, prepared)
+                    if error:
+                        self.release(tid)
+                        return error
+                else:
+                    batch.parked.append(part)
+                    self._handshake(part)
+        finally:
+            for prepared in built:  # built for parts this submit does not have
+                self.transport.discard(prepared)
         self.post_seconds.append(time.perf_counter() - batch.started)
         return None
 
-    def _post(self, batch: _Batch, part: Part) -> str | None:
-        agent, remote_addr = self._remote(batch.op, part)
-        spans = self.peers.spans.get(agent)
-        if spans is not None and not spans_cover(spans, remote_addr, part.plan.length):
-            self.stats["registration_rejected"] += 1
-            return f"registration rejected: the transfer would touch memory {agent} never registered"
+    def _post(self, batch: _Batch, part: Part, prepared: Prepared | None = None) -> str | None:
+        agent = part.plan.remote_agent
         try:
-            batch.handles.append(self.transport.post(batch.op, agent, part.plan, batch.frame))
+            # Built for this very plan, against the peer as now loaded (else start refuses it), so
+            # it passed the registered-memory check then; checking 100k descriptors costs a ms.
+            handle = self.transport.start(prepared, batch.frame) if prepared is not None else None
+            if handle is not None:
+                self.stats["prepared_posted"] += 1
+            else:
+                if not self._registered(agent, batch.op, part.plan):
+                    self.stats["registration_rejected"] += 1
+                    return f"registration rejected: the transfer would touch memory {agent} never registered"
+                handle = self.transport.post(batch.op, agent, part.plan, batch.frame)
+            batch.handles.append(handle)
         except TransferFailed as exc:
             self._forget_dead_peer(str(exc), agent)
             return str(exc)
@@ -144,6 +193,8 @@ class InFlight:
 
     def _reset(self) -> list[tuple[TransferId, str]]:
         """Replace the agent; parked parts handshake again. Returns transfers that failed."""
+        for tid in list(self._prepared):
+            self.discard_prepared(tid)
         for batch in self._batches.values():  # all complete: the old agent's handles go with it
             for handle in batch.handles:
                 self.transport.release(handle)
@@ -168,6 +219,7 @@ class InFlight:
         return []
 
     def release(self, tid: TransferId) -> None:
+        self.discard_prepared(tid)
         batch = self._batches.pop(tid, None)
         for handle in batch.handles if batch else ():
             self.transport.release(handle)

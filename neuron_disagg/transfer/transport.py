@@ -5,6 +5,12 @@
 fast tests of the threads. Both take descriptors as produced by ``protocol.plan`` (absolute
 addresses inside registered memory) and raise ``TransferFailed`` with a reason a person can act on.
 
+A transfer can be built ahead (``prepare``) and started later (``start``): P's writer builds a
+prefill's WRITEs during the forward that computes its KV, so that what follows the forward only
+posts them. A prepared transfer belongs to the agent and the load of the peer's metadata it was
+built against (its ``epoch``); once either is replaced, ``start`` refuses it and the caller posts
+afresh — it would otherwise point at memory keys that are gone.
+
 Threading: a transport is owned by one thread (the writer or reader); only ``add_peer`` /
 ``remove_peer`` may run on another (the handshake executor), which is why NIXL agents are created
 with RW thread sync and why replacing the agent (``reset``) holds a lock those two take as well.
@@ -33,6 +39,17 @@ class MemorySpan:
     addr: int
     length: int
     device_id: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A transfer built and not started (``Transport.prepare``)."""
+
+    op: str
+    peer: str
+    write: RankWrite
+    handle: Any
+    epoch: tuple[int, int]  # (the agent's generation, the peer's load) it was built against
 
 
 def region_spans(regions: Sequence[Region]) -> list[MemorySpan]:
@@ -68,6 +85,17 @@ class Transport(abc.ABC):
     #: After a failed transfer, replace the agent (``reset``) before the next post. True where a
     #: failure can leave the agent unusable (NIXL 1.4.1's LIBFABRIC plugin, measured).
     reset_after_failure: bool = False
+    _generation = 0                  # bumped by reset: the agent's own
+    _loads: dict[str, int] | None = None  # peer -> how many times its metadata was loaded
+
+    def _loaded(self, peer: str) -> None:
+        """From ``add_peer``: a new load of ``peer``'s metadata outdates what was prepared for it."""
+        if self._loads is None:
+            self._loads = {}
+        self._loads[peer] = self._loads.get(peer, 0) + 1
+
+    def _epoch(self, peer: str) -> tuple[int, int]:
+        return self._generation, (self._loads or {}).get(peer, 0)
 
     def loaded_backends(self) -> list[str]:
         """The NIXL backends this transport's agent really loaded (none for in-memory)."""
@@ -92,10 +120,30 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def has_peer(self, name: str) -> bool: ...
 
-    @abc.abstractmethod
     def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
         """Start a WRITE (local src -> peer dst) or READ (peer src -> local dst); the peer gets
         ``notification`` once the data has landed. Returns a handle for ``poll``."""
+        return self.start(self.prepare(op, peer, write), notification)
+
+    @abc.abstractmethod
+    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
+        """Build the transfer ``post`` would start, without starting it; ``start`` it or ``discard``
+        it. Raises TransferFailed."""
+
+    def start(self, prepared: Prepared, notification: bytes) -> Any | None:
+        """Post a prepared transfer, as ``post`` does; None, having discarded it, if the agent or the
+        peer's metadata it was built against has been replaced since (post afresh then)."""
+        if prepared.epoch != self._epoch(prepared.peer) or not self.has_peer(prepared.peer):
+            self.discard(prepared)
+            return None
+        return self._start(prepared, notification)
+
+    @abc.abstractmethod
+    def _start(self, prepared: Prepared, notification: bytes) -> Any: ...
+
+    @abc.abstractmethod
+    def discard(self, prepared: Prepared) -> None:
+        """Drop a prepared transfer that will not be started."""
 
     @abc.abstractmethod
     def poll(self, handle: Any) -> bool:
@@ -132,6 +180,7 @@ class InMemoryTransport(Transport):
         self._inbox: list[tuple[str, bytes]] = []
         self._inbox_lock = threading.Lock()
         self.fail_posts_to: set[str] = set()  # fault injection for tests
+        self.prepared_live: set[Prepared] = set()  # built, neither started nor discarded: for tests
         with self._lock:
             self._agents[name] = self
 
@@ -147,10 +196,12 @@ class InMemoryTransport(Transport):
             self.name = _next_generation(self.name)
             self._agents[self.name] = self
         self._peers.clear()
+        self._generation += 1
 
     def add_peer(self, metadata: bytes) -> str:
         name = metadata.decode()
         self._peers.add(name)
+        self._loaded(name)
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -159,7 +210,7 @@ class InMemoryTransport(Transport):
     def has_peer(self, name: str) -> bool:
         return name in self._peers
 
-    def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
+    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
         with self._lock:
             target = self._agents.get(peer)
         if peer not in self._peers or target is None or peer in self.fail_posts_to:
@@ -167,11 +218,23 @@ class InMemoryTransport(Transport):
         local, remote = (write.src_addr, write.dst_addr) if op == "WRITE" else (write.dst_addr, write.src_addr)
         if not spans_cover(self.spans, local, write.length) or not spans_cover(target.spans, remote, write.length):
             raise TransferFailed("descriptor outside registered memory")
+        prepared = Prepared(op, peer, write, target, self._epoch(peer))
+        self.prepared_live.add(prepared)
+        return prepared
+
+    def _start(self, prepared: Prepared, notification: bytes) -> Any:
+        self.prepared_live.discard(prepared)
+        if prepared.peer in self.fail_posts_to:
+            raise TransferFailed(f"peer {prepared.peer} is not reachable")
+        write, target = prepared.write, prepared.handle
         for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
             target._inbox.append((self.name, notification))
         return object()
+
+    def discard(self, prepared: Prepared) -> None:
+        self.prepared_live.discard(prepared)
 
     def poll(self, handle: Any) -> bool:
         return True
@@ -231,6 +294,7 @@ class NixlTransport(Transport):
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else name
             self._peers.add(name)
+            self._loaded(name)
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -254,6 +318,7 @@ class NixlTransport(Transport):
         registrations = [agent.register_memory(rows, self.memory_type) for rows in self._registered]
         with self._agent_lock:
             old, self._agent, self.name = self._agent, agent, name
+            self._generation += 1
             old_registrations, self._registrations = self._registrations, registrations
             old_peers, self._peers = self._peers, set()
         for peer in old_peers:
@@ -277,19 +342,24 @@ class NixlTransport(Transport):
             raise TransferFailed("NIXL refused the descriptor list")
         return descs
 
-    def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
+    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
+        epoch = self._epoch(peer)  # read first: a load racing the build makes it stale, never current
         if op == "WRITE":
             local = self._descs(write.src_addr, write.length, write.src_dev)
             remote = self._descs(write.dst_addr, write.length, write.dst_dev)
         else:
             local = self._descs(write.dst_addr, write.length, write.dst_dev)
             remote = self._descs(write.src_addr, write.length, write.src_dev)
-        try:
-            handle = self._agent.initialize_xfer(op, local, remote, peer, notification)
+        try:  # the notification goes with transfer(): NIXL takes it per post
+            handle = self._agent.initialize_xfer(op, local, remote, peer, b"")
         except Exception as exc:
             raise TransferFailed(f"NIXL could not create the {op} to {peer}: {_nixl_reason(exc)}") from None
+        return Prepared(op, peer, write, (self._agent, handle), epoch)
+
+    def _start(self, prepared: Prepared, notification: bytes) -> Any:
+        op, peer, (_, handle) = prepared.op, prepared.peer, prepared.handle
         try:
-            state = self._agent.transfer(handle)
+            state = self._agent.transfer(handle, notification)
         except Exception as exc:
             self._release_quietly(handle)
             raise TransferFailed(f"NIXL could not post the {op} to {peer}: {_nixl_reason(exc)}") from None
@@ -297,6 +367,13 @@ class NixlTransport(Transport):
             self._release_quietly(handle)
             raise TransferFailed(f"NIXL failed to post the {op} to {peer}")
         return handle
+
+    def discard(self, prepared: Prepared) -> None:
+        agent, handle = prepared.handle  # a reset's old agent releases its own
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception:
+            pass
 
     def poll(self, handle: Any) -> bool:
         try:

@@ -74,7 +74,9 @@ class PushWriter(TransferThread):
 
     # -- the thread: inbox items ---------------------------------------------------------------------
     def _kv_coming(self, item: KvComing, now: float) -> None:
-        self.core.kv_coming(item.transfer_id, item.block_ids)
+        plan = self.core.kv_coming(item.transfer_id, item.block_ids)
+        if plan is not None:  # NIXL's requests too: after the forward, the write is only posted
+            self.writes.prepare(item.transfer_id, "WRITE", plan.writes, key=plan)
 
     def _kv_ready(self, item: KvReady, now: float) -> None:
         if item.ready_at is not None:
@@ -114,6 +116,9 @@ class PushWriter(TransferThread):
         self._perform(self.core.tick(now))
 
     def _poll(self) -> None:
+        # Each turn, as a thread with nothing live sleeps until its next item: what was built for
+        # a plan the core dropped (the transfer ended, or kv_ready planned anew) goes at once.
+        self.writes.keep_prepared(lambda tid, plan: self.core.planned_write(tid) is plan)
         done, failed = self.writes.poll()
         for tid in done:
             self.timeline.mark(tid, "p_write_done")
@@ -124,6 +129,7 @@ class PushWriter(TransferThread):
 
     def _on_stop(self) -> None:
         self._fail_all("prefill writer shut down")
+        self.writes.keep_prepared(lambda tid, plan: False)
 
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:

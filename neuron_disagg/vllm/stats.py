@@ -35,6 +35,8 @@ COUNTS = {
                       "from vLLM's (each logged as an error; stays 0)",
     "writes_planned_ahead": "P writes planned while the prefill's last forward ran, so that the write waited "
                             "for no plan (of transfers; the rest: D registered after that forward)",
+    "writes_prepared_ahead": "P WRITEs (one per D rank) whose NIXL request was built while the prefill's last "
+                             "forward ran, so that after it the write was only posted",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
     "push_thread_cpu_us": "CPU time of the push thread (P: the writer; D: the receiver), microseconds",

@@ -313,6 +313,7 @@ class WorkerSide:
             totals.update({"transfers": t["done"], "transfers_failed": t["failed"]})
             totals["registrations_rejected"] += t["registration_rejected"]
             totals["writes_planned_ahead"] = self.push.core.counters["write_planned_ahead"]
+            totals["writes_prepared_ahead"] = t["prepared_posted"]
             failures = Counter(self.push.failures)
             totals["lease_expiries"] = failures["lease expired"]
             write_seconds = self.push.writes.done_seconds

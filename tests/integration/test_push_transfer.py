@@ -50,10 +50,15 @@ def test_bytes_land_exactly_in_either_order(pair, registration_first):
 @pytest.mark.parametrize("announced", ["the same blocks", "other blocks"])
 def test_a_write_planned_during_the_last_forward_lands_exactly(pair, announced):
     """P's engine names the blocks before the forward that fills them (kv_coming), after D's
-    registration arrived: the writer plans then. Named wrongly, the plan must not be used."""
+    registration arrived: the writer plans then, and builds NIXL's request for the write, which
+    after the forward is only posted. Named wrongly, neither plan nor request may be used."""
     p, d = pair
+    warm = [f"warm-for-{announced}", 0]  # P's agent must know D's to build a request for it
+    _transfer(p, d, warm, [1], [1], seed=4)
+    _assert_delivered(p, d, warm, [1], [1])
     tid = [f"announced-{announced}", 0]
     p_blocks, d_blocks = [11, 12, 13], [30, 31, 32]
+    posted_as_built = p.call("stats")["writer"].get("prepared_posted", 0)
     p.call("fill", blocks=p_blocks, seed=5)
     live = p.call("stats")["live"]
     d.call("expect", tid=tid, p_address=p.address)
@@ -65,6 +70,8 @@ def test_a_write_planned_during_the_last_forward_lands_exactly(pair, announced):
     p.call("kv_coming", tid=tid, blocks=p_blocks if announced == "the same blocks" else [14, 15, 16])
     p.call("kv_ready", tid=tid, blocks=p_blocks)
     _assert_delivered(p, d, tid, p_blocks, d_blocks)
+    built = p.call("stats")["writer"].get("prepared_posted", 0) - posted_as_built
+    assert built == (1 if announced == "the same blocks" else 0)
 
 
 def test_prefix_hit_writes_only_the_tail(pair):

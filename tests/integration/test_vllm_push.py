@@ -269,6 +269,7 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
 
     early = metric(cluster.p, "neuron_disagg_early_hand_offs_total")
     planned = metric(cluster.p, "neuron_disagg_writes_planned_ahead_total")
+    built = metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total")
     want, plain, streamed = run(scenario())
     assert plain == want
     assert streamed == want
@@ -277,6 +278,9 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
     # writer planned while the last forward ran, and the write waited for no plan.
     wait_for(lambda: metric(cluster.p, "neuron_disagg_writes_planned_ahead_total") > planned, 30,
              "a write planned during its prefill's last forward")
+    # and its NIXL request built then too (P's agent knew D's from the requests before), then posted
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total") > built, 30,
+             "a write whose NIXL request was built during its prefill's last forward")
     blocks_back(cluster)
 
 

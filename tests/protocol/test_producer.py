@@ -169,13 +169,16 @@ def _fresh_plan_sources(blocks):
 def test_a_write_planned_while_the_last_forward_runs_is_submitted_without_planning_again(monkeypatch):
     c = core()
     c.registration_received(registration(), 0)
-    assert c.kv_coming(TID, BLOCKS) is None and c.state_of(TID) is PState.AWAITING_KV  # no transition
+    plan = c.kv_coming(TID, BLOCKS)
+    assert c.state_of(TID) is PState.AWAITING_KV  # no transition
+    assert plan is not None and c.planned_write(TID) is plan  # what the writer builds NIXL requests for
     monkeypatch.setattr("neuron_disagg.protocol.producer.plan_write",
                         lambda *a, **k: pytest.fail("kv_ready planned a write kv_coming had planned"))
     (submit,) = [a for a in c.kv_ready(TID, BLOCKS, 1) if isinstance(a, SubmitWrite)]
     monkeypatch.undo()
     assert _sources(submit) == _fresh_plan_sources(BLOCKS)
-    assert c.entries[TID].planned is None  # submitted: nothing kept
+    assert submit.plan is plan  # the very plan: requests built for its writes are posted as they are
+    assert c.entries[TID].planned is None and c.planned_write(TID) is None  # submitted: nothing kept
     assert c.counters["write_planned_ahead"] == 1
 
 
@@ -186,7 +189,7 @@ def test_a_plan_kv_ready_cannot_use_is_made_again_there(case):
     c = core()
     bad = registration(blocks=(7, 8, 999))
     if case == "before the registration":
-        c.kv_coming(TID, BLOCKS)
+        assert c.kv_coming(TID, BLOCKS) is None
         assert TID not in c.entries  # nothing created for a transfer D has not named
     c.registration_received(bad if case == "rejected geometry" else registration(), 0)
     if case != "before the registration":
@@ -198,7 +201,7 @@ def test_a_plan_kv_ready_cannot_use_is_made_again_there(case):
         return
     (submit,) = [a for a in actions if isinstance(a, SubmitWrite)]
     assert _sources(submit) == _fresh_plan_sources(BLOCKS)
-    assert c.counters["write_planned_ahead"] == 0
+    assert c.counters["write_planned_ahead"] == 0 and c.planned_write(TID) is None
 
 
 def test_a_transfer_that_ends_before_its_kv_is_ready_keeps_no_plan():
@@ -208,6 +211,7 @@ def test_a_transfer_that_ends_before_its_kv_is_ready_keeps_no_plan():
     assert c.entries[TID].planned is not None
     c.cancel(cancel(), 1)
     assert c.state_of(TID) is PState.CANCELLED and c.entries[TID].planned is None  # kept until the tombstone goes
+    assert c.planned_write(TID) is None  # the writer releases what it built for it
 
 
 def test_registration_expired_on_arrival_is_never_written():

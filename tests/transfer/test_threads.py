@@ -244,6 +244,64 @@ def test_registration_reaches_prefill_only_after_the_decode_fence(ranks):
     assert registrations
 
 
+def _until(condition, what, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _warm(p, d, blocks):
+    """One transfer first, so that P's agent has D's loaded (what a request builds ahead needs)."""
+    _register(d, p, ("warm", 0), blocks)
+    p.fill(blocks=blocks, seed=2)
+    p.kv_ready(tid=["warm", 0], blocks=blocks)
+    d.wait("loaded", ("warm", 0))
+
+
+def test_a_write_built_during_the_last_forward_is_only_posted_after_it(ranks):
+    p, d = ranks("prefill"), ranks("decode")
+    _warm(p, d, [1])
+    tid = ("built", 0)
+    p.fill(blocks=[2, 3], seed=3)
+    live = p.stats()["live"]
+    _register(d, p, tid, [4, 5])
+    _until(lambda: p.stats()["live"] > live, "D's registration never reached P")
+    p.kv_coming(tid=list(tid), blocks=[2, 3])
+    _until(lambda: len(p.peer.transport.prepared_live) == 1, "the write was not built ahead")
+    p.kv_ready(tid=list(tid), blocks=[2, 3])
+    d.wait("loaded", tid)
+    assert d.digest(blocks=[4, 5]) == p.digest(blocks=[2, 3])
+    assert p.peer.thread.stats["prepared_posted"] == 1
+    assert not p.peer.transport.prepared_live
+
+
+@pytest.mark.parametrize("then", ["kv ready in other blocks", "D cancels", "D's agent is loaded again"])
+def test_a_write_built_ahead_and_not_posted_is_released(ranks, then):
+    """Built for blocks the prefill did not end in, for a transfer that ended, or against metadata
+    of D's since replaced: never posted, always released; the KV still lands exactly."""
+    p, d = ranks("prefill"), ranks("decode")
+    _warm(p, d, [1])
+    tid = ("unused", 0)
+    p.fill(blocks=[2, 3], seed=4)
+    live = p.stats()["live"]
+    _register(d, p, tid, [4, 5])
+    _until(lambda: p.stats()["live"] > live, "D's registration never reached P")
+    p.kv_coming(tid=list(tid), blocks=[6, 7] if then == "kv ready in other blocks" else [2, 3])
+    _until(lambda: len(p.peer.transport.prepared_live) == 1, "the write was not built ahead")
+    if then == "D cancels":
+        d.abort(tid=list(tid), reason="client disconnected")
+        _until(lambda: not p.peer.transport.prepared_live, "what was built for a cancelled transfer was kept")
+        return
+    if then == "D's agent is loaded again":
+        p.peer.transport.add_peer(d.peer.agent.encode())
+    p.kv_ready(tid=list(tid), blocks=[2, 3])
+    d.wait("loaded", tid)
+    assert d.digest(blocks=[4, 5]) == p.digest(blocks=[2, 3])
+    assert p.peer.thread.stats["prepared_posted"] == 0
+    assert not p.peer.transport.prepared_live
+
+
 def test_a_transport_that_needs_it_gets_a_new_agent_after_a_failed_write(ranks):
     """LIBFABRIC's agent is unusable after a write to a dead peer (measured; see transport.py): the
     writer replaces it and later writes, also to peers the old agent knew, land."""
