@@ -123,12 +123,14 @@ class Transport(abc.ABC):
     def post(self, op: str, peer: str, write: RankWrite, notification: bytes) -> Any:
         """Start a WRITE (local src -> peer dst) or READ (peer src -> local dst); the peer gets
         ``notification`` once the data has landed. Returns a handle for ``poll``."""
-        return self.start(self.prepare(op, peer, write), notification)
+        # Just built, so no epoch to check: a load racing the build fails it in NIXL, as it always did.
+        return self._start(self.prepare(op, peer, write, notification), b"")
 
     @abc.abstractmethod
-    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
+    def prepare(self, op: str, peer: str, write: RankWrite, notification: bytes = b"") -> Prepared:
         """Build the transfer ``post`` would start, without starting it; ``start`` it or ``discard``
-        it. Raises TransferFailed."""
+        it. The notification may come with either (``start``'s replaces this one). Raises
+        TransferFailed."""
 
     def start(self, prepared: Prepared, notification: bytes) -> Any | None:
         """Post a prepared transfer, as ``post`` does; None, having discarded it, if the agent or the
@@ -210,7 +212,7 @@ class InMemoryTransport(Transport):
     def has_peer(self, name: str) -> bool:
         return name in self._peers
 
-    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
+    def prepare(self, op: str, peer: str, write: RankWrite, notification: bytes = b"") -> Prepared:
         with self._lock:
             target = self._agents.get(peer)
         if peer not in self._peers or target is None or peer in self.fail_posts_to:
@@ -218,7 +220,7 @@ class InMemoryTransport(Transport):
         local, remote = (write.src_addr, write.dst_addr) if op == "WRITE" else (write.dst_addr, write.src_addr)
         if not spans_cover(self.spans, local, write.length) or not spans_cover(target.spans, remote, write.length):
             raise TransferFailed("descriptor outside registered memory")
-        prepared = Prepared(op, peer, write, target, self._epoch(peer))
+        prepared = Prepared(op, peer, write, (target, notification), self._epoch(peer))
         self.prepared_live.add(prepared)
         return prepared
 
@@ -226,7 +228,8 @@ class InMemoryTransport(Transport):
         self.prepared_live.discard(prepared)
         if prepared.peer in self.fail_posts_to:
             raise TransferFailed(f"peer {prepared.peer} is not reachable")
-        write, target = prepared.write, prepared.handle
+        write, (target, built_with) = prepared.write, prepared.handle
+        notification = notification or built_with
         for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
@@ -342,7 +345,7 @@ class NixlTransport(Transport):
             raise TransferFailed("NIXL refused the descriptor list")
         return descs
 
-    def prepare(self, op: str, peer: str, write: RankWrite) -> Prepared:
+    def prepare(self, op: str, peer: str, write: RankWrite, notification: bytes = b"") -> Prepared:
         epoch = self._epoch(peer)  # read first: a load racing the build makes it stale, never current
         if op == "WRITE":
             local = self._descs(write.src_addr, write.length, write.src_dev)
@@ -350,8 +353,8 @@ class NixlTransport(Transport):
         else:
             local = self._descs(write.dst_addr, write.length, write.dst_dev)
             remote = self._descs(write.src_addr, write.length, write.src_dev)
-        try:  # the notification goes with transfer(): NIXL takes it per post
-            handle = self._agent.initialize_xfer(op, local, remote, peer, b"")
+        try:  # a notification given to transfer() instead replaces this one (NIXL's API)
+            handle = self._agent.initialize_xfer(op, local, remote, peer, notification)
         except Exception as exc:
             raise TransferFailed(f"NIXL could not create the {op} to {peer}: {_nixl_reason(exc)}") from None
         return Prepared(op, peer, write, (self._agent, handle), epoch)
