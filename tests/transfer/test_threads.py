@@ -259,16 +259,23 @@ def _warm(p, d, blocks):
     d.wait("loaded", ("warm", 0))
 
 
-def test_a_write_built_during_the_last_forward_is_only_posted_after_it(ranks):
+def _built_ahead(ranks, tid, seed, announced=(2, 3)):
+    """P holds KV in blocks 2, 3 for ``tid``; D registered 4, 5; P's engine announced ``announced``
+    and the writer built the write for them. Returns (p, d)."""
     p, d = ranks("prefill"), ranks("decode")
     _warm(p, d, [1])
-    tid = ("built", 0)
-    p.fill(blocks=[2, 3], seed=3)
+    p.fill(blocks=[2, 3], seed=seed)
     live = p.stats()["live"]
     _register(d, p, tid, [4, 5])
     _until(lambda: p.stats()["live"] > live, "D's registration never reached P")
-    p.kv_coming(tid=list(tid), blocks=[2, 3])
+    p.kv_coming(tid=list(tid), blocks=list(announced))
     _until(lambda: len(p.peer.transport.prepared_live) == 1, "the write was not built ahead")
+    return p, d
+
+
+def test_a_write_built_during_the_last_forward_is_only_posted_after_it(ranks):
+    tid = ("built", 0)
+    p, d = _built_ahead(ranks, tid, seed=3)
     p.kv_ready(tid=list(tid), blocks=[2, 3])
     d.wait("loaded", tid)
     assert d.digest(blocks=[4, 5]) == p.digest(blocks=[2, 3])
@@ -280,15 +287,8 @@ def test_a_write_built_during_the_last_forward_is_only_posted_after_it(ranks):
 def test_a_write_built_ahead_and_not_posted_is_released(ranks, then):
     """Built for blocks the prefill did not end in, for a transfer that ended, or against metadata
     of D's since replaced: never posted, always released; the KV still lands exactly."""
-    p, d = ranks("prefill"), ranks("decode")
-    _warm(p, d, [1])
     tid = ("unused", 0)
-    p.fill(blocks=[2, 3], seed=4)
-    live = p.stats()["live"]
-    _register(d, p, tid, [4, 5])
-    _until(lambda: p.stats()["live"] > live, "D's registration never reached P")
-    p.kv_coming(tid=list(tid), blocks=[6, 7] if then == "kv ready in other blocks" else [2, 3])
-    _until(lambda: len(p.peer.transport.prepared_live) == 1, "the write was not built ahead")
+    p, d = _built_ahead(ranks, tid, seed=4, announced=(6, 7) if then == "kv ready in other blocks" else (2, 3))
     if then == "D cancels":
         d.abort(tid=list(tid), reason="client disconnected")
         _until(lambda: not p.peer.transport.prepared_live, "what was built for a cancelled transfer was kept")
