@@ -42,10 +42,11 @@ class Config(BaseModel):
     admission_timeout_s: float = Field(300.0, gt=0, le=86400,
                                        description="D waits this long to allocate blocks")
     max_write_s: float = Field(30.0, gt=0, le=3600,
-                               description="P abandons a write that takes longer")
+                               description="P gives up on a write that takes longer, then waits as long "
+                               "again for it to end before releasing it; D fences its blocks for both")
     max_read_s: float = Field(30.0, gt=0, le=3600,
-                              description="pull: D abandons a read that takes longer (P's lease on an "
-                              "offer covers it)")
+                              description="pull: D gives up on a read that takes longer (P's lease on an "
+                              "offer covers it), then keeps its blocks as long again for it to end")
     clock_skew_allowance_s: float = Field(1.0, ge=0, le=60,
                                           description="added to fences: clock skew + tick interval")
     tombstone_s: float = Field(600.0, gt=0, le=86400,

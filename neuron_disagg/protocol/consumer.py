@@ -4,8 +4,9 @@ D learns of a transfer when the router's decode leg arrives (``expect``), heartb
 waits to allocate, registers its destination blocks (``allocated``) and waits for a verdict from
 every P rank that writes into this rank. D frees registered blocks only after every such rank has
 confirmed — WriteDone, WriteFailed or CancelAck — or after a fence deadline that outlasts any write
-P may still have in flight (I2): P starts no write after the registration's expiry and abandons
-any write after ``max_write_s``, so ``expires_at + max_write_s + clock_skew_allowance_s`` is safe.
+P may still have in flight (I2): P starts no write after the registration's expiry, gives up on a
+write after ``max_write_s`` and then waits as long again for it to end before it releases it (a
+released write is not stopped), so ``expires_at + 2 * max_write_s + clock_skew_allowance_s`` is safe.
 
 Every transition of this side is in ``TABLE``.
 """
@@ -49,7 +50,7 @@ class DEffect(enum.Enum):
     ARM_ADMISSION = "deadline := now + admission_timeout_s"
     SEND_REGISTRATION = "register blocks with P; deadline := expiry (now + watchdog_s)"
     SEND_CANCEL = "tell P: Cancel"
-    ARM_FENCE = "deadline := expiry + max_write_s + clock_skew_allowance_s"
+    ARM_FENCE = "deadline := expiry + 2 * max_write_s + clock_skew_allowance_s"
     FINISH_LOAD = "hand the loaded request to the engine"
     FREE_BLOCKS = "free the registered blocks"
     FREE_LATE_BLOCKS = "free blocks allocated after the transfer ended: never registered with P"
@@ -229,7 +230,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             step.actions.append(self._to_producer(entry, Cancel(
                 tid, self.side_channel, self.tp_size, step.reason or "decode cancelled")))
         elif effect is F.ARM_FENCE:
-            entry.deadline = entry.registration.expires_at + t.max_write_s + t.clock_skew_allowance_s
+            entry.deadline = entry.registration.expires_at + 2 * t.max_write_s + t.clock_skew_allowance_s
         elif effect is F.FINISH_LOAD:
             step.actions.append(FinishLoad(tid))
         elif effect is F.FREE_BLOCKS:

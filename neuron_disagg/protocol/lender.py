@@ -36,7 +36,7 @@ class LEvent(enum.Enum):
 
 
 class LEffect(enum.Enum):
-    ARM_LEASE = "deadline := expires_at + max_write_s + clock_skew_allowance_s"
+    ARM_LEASE = "deadline := expires_at + max_read_s + clock_skew_allowance_s"
     FREE_BLOCKS = "free the offered blocks"
     FAIL = "report that nobody read the KV"
     FREE_LATE_BLOCKS = "free the blocks of an offer made after the transfer ended"

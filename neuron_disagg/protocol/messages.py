@@ -191,8 +191,8 @@ class AgentInfo(msgspec.Struct, frozen=True, tag="agent_info"):
 class PullOffer(msgspec.Struct, frozen=True, tag="pull_offer"):
     """Pull mode, P -> D through the router: "my KV for this request is in these blocks until
     ``expires_at``; read it". P holds the blocks until every reading D rank confirms or the lease
-    ``expires_at + max_write_s + clock_skew_allowance_s`` ends (D starts no READ after
-    ``expires_at`` and abandons a READ after ``max_write_s``)."""
+    ``expires_at + max_read_s + clock_skew_allowance_s`` ends (D starts no READ after
+    ``expires_at`` and gives up on a READ after ``max_read_s``)."""
 
     transfer_id: TransferId
     p_engine_id: str

@@ -39,6 +39,11 @@ class PState(enum.Enum):
     AWAITING_REGISTRATION = "awaiting_registration"  # our KV ready and held under a lease
     WRITING = "writing"
     WRITING_CANCELLED = "writing_cancelled"      # D cancelled while our write was in flight
+    # We gave up on the write, but releasing it does not stop it (NIXL cannot cancel an RDMA op in
+    # flight): it may still read our blocks and land in D's. So our blocks stay held and D is not
+    # told to free its own until the write ends or a second max_write_s has passed.
+    DRAINING = "draining"
+    DRAINING_CANCELLED = "draining_cancelled"    # the same, after D cancelled
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -63,6 +68,7 @@ class PEffect(enum.Enum):
     START_LEASE = "deadline := now + lease_s"
     RENEW_LEASE = "deadline := heartbeat's send time + lease_s"
     SUBMIT_WRITE = "plan (unless kv_coming did) and submit the write; deadline := now + max_write_s"
+    DRAIN = "deadline := the write's deadline + max_write_s"
     ABORT_WRITE = "release the in-flight write"
     FREE_BLOCKS = "free the held blocks"
     FREE_LATE_BLOCKS = "free blocks handed over after the transfer ended"
@@ -74,6 +80,7 @@ class PEffect(enum.Enum):
 
 S, E, F = PState, PEvent, PEffect
 _R = Rule
+TIMED_OUT = "write did not finish within max_write_s"
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
 
 TABLE: dict[tuple[PState, PEvent], Rule] = {
@@ -110,9 +117,7 @@ TABLE: dict[tuple[PState, PEvent], Rule] = {
     # -- our write is in flight: our blocks stay held until it ends ----------------------------
     (S.WRITING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # WriteDone rode on the write
     (S.WRITING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
-    (S.WRITING, E.EXPIRED): _R(
-        S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL),
-        "write did not finish within max_write_s"),
+    (S.WRITING, E.EXPIRED): _R(S.DRAINING, (F.DRAIN,), TIMED_OUT),
     (S.WRITING, E.CANCEL): _R(S.WRITING_CANCELLED),
     (S.WRITING, E.SUPERSEDED): _R(S.WRITING_CANCELLED),
     (S.WRITING, E.ABORT): _R(None),  # the write reads only blocks we hold; let it finish
@@ -120,15 +125,27 @@ TABLE: dict[tuple[PState, PEvent], Rule] = {
     (S.WRITING, E.REGISTRATION): _R(None, (F.DROP,)),
     (S.WRITING_CANCELLED, E.WRITE_DONE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
     (S.WRITING_CANCELLED, E.WRITE_FAILED): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
-    (S.WRITING_CANCELLED, E.EXPIRED): _R(
-        S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK),
-        "write did not finish within max_write_s"),
+    (S.WRITING_CANCELLED, E.EXPIRED): _R(S.DRAINING_CANCELLED, (F.DRAIN,), TIMED_OUT),
     (S.WRITING_CANCELLED, E.CANCEL): _R(None, (F.DROP,)),
     (S.WRITING_CANCELLED, E.SUPERSEDED): _R(None),
     (S.WRITING_CANCELLED, E.ABORT): _R(None),
     (S.WRITING_CANCELLED, E.HEARTBEAT): _R(None, (F.DROP,)),
     (S.WRITING_CANCELLED, E.REGISTRATION): _R(None, (F.DROP,)),
+    # -- gave up on the write: until it ends, it may still read our blocks and land in D's -------
+    (S.DRAINING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # late: D accepts it (TIMING_OUT)
+    (S.DRAINING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
+    (S.DRAINING, E.EXPIRED): _R(S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
+    (S.DRAINING, E.CANCEL): _R(S.DRAINING_CANCELLED),
+    (S.DRAINING, E.SUPERSEDED): _R(S.DRAINING_CANCELLED),
+    (S.DRAINING_CANCELLED, E.WRITE_DONE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.DRAINING_CANCELLED, E.WRITE_FAILED): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.DRAINING_CANCELLED, E.EXPIRED): _R(S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.DRAINING_CANCELLED, E.CANCEL): _R(None, (F.DROP,)),
+    (S.DRAINING_CANCELLED, E.SUPERSEDED): _R(None),
 }
+for _draining in (S.DRAINING, S.DRAINING_CANCELLED):
+    TABLE.update({(_draining, E.ABORT): _R(None), (_draining, E.WITHDRAWN): _R(None, (F.DROP,)),
+                  (_draining, E.HEARTBEAT): _R(None, (F.DROP,)), (_draining, E.REGISTRATION): _R(None, (F.DROP,))})
 for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLED, F.NOTIFY_CANCEL_ACK)):
     TABLE.update({
         # A registration or cancel after the end gets the same verdict again, so D never waits.
@@ -326,6 +343,8 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             if entry.registration is None:
                 entry.registration = step.payload
             self._submit(entry, step)
+        elif effect is F.DRAIN:
+            entry.deadline = (entry.deadline if entry.deadline is not None else step.now) + t.max_write_s
         elif effect is F.ABORT_WRITE:
             step.actions.append(AbortWrite(tid))
         elif effect is F.FREE_BLOCKS:

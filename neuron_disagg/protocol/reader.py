@@ -3,7 +3,9 @@
 D learns P's offer with the decode leg, allocates, then READs from every P rank whose heads it
 needs, off its engine loop. The fencing mirrors push: D starts no READ after the offer's
 ``expires_at`` (refusing outright an offer stamped in its own future beyond the clock skew
-allowance) and abandons a READ after ``max_read_s``. Every transition is in ``READER_TABLE``; the
+allowance) and gives up on a READ after ``max_read_s``. Giving up does not stop a READ (NIXL
+cannot cancel an RDMA op in flight), so D's blocks stay out of vLLM's hands until the READ ends,
+or until a second ``max_read_s`` has passed; only then does D tell P. Every transition is in ``READER_TABLE``; the
 core does no I/O and is called only by D's pull reader thread.
 """
 
@@ -26,6 +28,7 @@ class RState(enum.Enum):
     WAITING = "waiting"        # offer known; our blocks not allocated yet
     READING = "reading"
     ABORTING = "aborting"      # aborted mid-READ: blocks stay ours until the READ ends
+    DRAINING = "draining"      # gave up on the READ: blocks stay ours until it ends; then recompute
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -45,6 +48,7 @@ class REvent(enum.Enum):
 class REffect(enum.Enum):
     ARM_OFFER = "deadline := the offer's expiry"
     SUBMIT_READ = "plan and post the READs; deadline := now + max_read_s"
+    DRAIN = "deadline := the READ's deadline + max_read_s"
     ABORT_READ = "release in-flight READs"
     FREE_BLOCKS = "free our destination blocks"
     TELL_P_FAILED = "tell P: ReadFailed"
@@ -55,6 +59,7 @@ class REffect(enum.Enum):
 
 
 _R, _RE, _RF = RState, REvent, REffect
+TIMED_OUT = "read did not finish within max_read_s"
 READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.NEW, _RE.OFFER): Rule(_R.WAITING, (_RF.ARM_OFFER,)),
     (_R.NEW, _RE.SUPERSEDED): Rule(_R.CANCELLED),
@@ -68,11 +73,17 @@ READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     # FAIL before FREE_BLOCKS: the worker ends the transfer when its blocks are freed and reports
     # it to vLLM then, as loaded unless it already knows the load failed (consumer.py does the same).
     (_R.READING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.READING, _RE.EXPIRED): Rule(
-        _R.FAILED, (_RF.ABORT_READ, _RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED),
-        "read did not finish within max_read_s"),
-    (_R.READING, _RE.ABORT): Rule(_R.ABORTING),
-    (_R.READING, _RE.SUPERSEDED): Rule(_R.ABORTING),
+    (_R.READING, _RE.EXPIRED): Rule(_R.DRAINING, (_RF.DRAIN,), TIMED_OUT),
+    (_R.READING, _RE.ABORT): Rule(_R.ABORTING, (_RF.DRAIN,)),
+    (_R.READING, _RE.SUPERSEDED): Rule(_R.ABORTING, (_RF.DRAIN,)),
+    # Even a READ that completes now is not trusted: P's lease may have ended while it ran.
+    (_R.DRAINING, _RE.READ_DONE): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
+    (_R.DRAINING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
+    (_R.DRAINING, _RE.EXPIRED): Rule(
+        _R.FAILED, (_RF.ABORT_READ, _RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
+    (_R.DRAINING, _RE.ABORT): Rule(_R.ABORTING),
+    (_R.DRAINING, _RE.SUPERSEDED): Rule(_R.ABORTING),
+    (_R.DRAINING, _RE.OFFER): Rule(None, (_RF.DROP,)),
     (_R.ABORTING, _RE.READ_DONE): Rule(_R.CANCELLED, (_RF.FREE_BLOCKS,)),
     (_R.ABORTING, _RE.READ_FAILED): Rule(_R.CANCELLED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
     (_R.ABORTING, _RE.EXPIRED): Rule(_R.CANCELLED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
@@ -91,7 +102,7 @@ for _end in (_R.DONE, _R.FAILED, _R.CANCELLED):
 
 @dataclass(frozen=True)
 class ReaderTimeouts:
-    max_read_s: float = 30.0  # abandon a READ that takes longer (its blocks wait for the fence)
+    max_read_s: float = 30.0  # give up on a READ that takes longer; its blocks wait as long again for it
     clock_skew_allowance_s: float = 1.0
     tombstone_s: float = 600.0
 
@@ -201,6 +212,8 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
             entry.deadline = step.now + self.timeouts.max_read_s
             step.actions.append(SubmitRead(tid, plans, entry.offer.p_side_channel,
                                            ReadDone(tid, self.tp_rank, self.tp_size)))
+        elif effect is REffect.DRAIN:
+            entry.deadline = (entry.deadline if entry.deadline is not None else step.now) + self.timeouts.max_read_s
         elif effect is REffect.ABORT_READ:
             step.actions.append(AbortRead(tid))
         elif effect is REffect.FREE_BLOCKS:

@@ -182,6 +182,10 @@ class InMemoryTransport(Transport):
         self._inbox: list[tuple[str, bytes]] = []
         self._inbox_lock = threading.Lock()
         self.fail_posts_to: set[str] = set()  # fault injection for tests
+        # Tests: transfers to these peers stay in progress until ``land_stalled``, and releasing
+        # one does not stop it — as with an RDMA operation in flight.
+        self.stall_posts_to: set[str] = set()
+        self._stalled: list[tuple[RankWrite, "InMemoryTransport", bytes, list[bool]]] = []
         self.prepared_live: set[Prepared] = set()  # built, neither started nor discarded: for tests
         with self._lock:
             self._agents[name] = self
@@ -230,17 +234,32 @@ class InMemoryTransport(Transport):
             raise TransferFailed(f"peer {prepared.peer} is not reachable")
         write, (target, built_with) = prepared.write, prepared.handle
         notification = notification or built_with
+        if prepared.peer in self.stall_posts_to:
+            landed = [False]
+            self._stalled.append((write, target, notification, landed))
+            return landed
+        self._land(write, target, notification)
+        return [True]
+
+    def _land(self, write: RankWrite, target: "InMemoryTransport", notification: bytes) -> None:
         for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
             target._inbox.append((self.name, notification))
-        return object()
+
+    def land_stalled(self) -> int:
+        """Tests: complete every stalled transfer, released or not. Returns how many."""
+        stalled, self._stalled = self._stalled, []
+        for write, target, notification, landed in stalled:
+            self._land(write, target, notification)
+            landed[0] = True
+        return len(stalled)
 
     def discard(self, prepared: Prepared) -> None:
         self.prepared_live.discard(prepared)
 
     def poll(self, handle: Any) -> bool:
-        return True
+        return handle[0]
 
     def release(self, handle: Any) -> None:
         pass

@@ -21,7 +21,7 @@ from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, ro
 from ..vllm_envs import VllmEnv
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3, "max_read_s": 3,
             "clock_skew_allowance_s": 0.5}
-D_BOUND_S = TIMEOUTS["watchdog_s"] + TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
+D_BOUND_S = TIMEOUTS["watchdog_s"] + 2 * TIMEOUTS["max_write_s"] + TIMEOUTS["clock_skew_allowance_s"]
 # P caps how long a registration may wait for its prefill by its own watchdog_s, and on 2 shared
 # cores a queue of prefills of new shapes (vLLM picks CPU kernels per shape) can take longer than the
 # short watchdog the liveness tests want on the main D. P and the preemption D get a long one.

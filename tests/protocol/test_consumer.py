@@ -90,7 +90,7 @@ def test_every_table_row(state, event):
         elif effect is DEffect.FAIL:
             assert FailTransfer in kinds
         elif effect is DEffect.ARM_FENCE:
-            assert c.entries[TID].deadline == 1 + T.watchdog_s + T.max_write_s + T.clock_skew_allowance_s
+            assert c.entries[TID].deadline == 1 + T.watchdog_s + 2 * T.max_write_s + T.clock_skew_allowance_s
         elif effect is DEffect.DROP:
             assert any(k.startswith("dropped") for k in c.counters)
     if not {DEffect.FREE_BLOCKS, DEffect.FREE_LATE_BLOCKS} & set(rule.effects):
@@ -127,7 +127,7 @@ def test_watchdog_fails_within_bound_and_frees_only_after_the_fence():
     actions = c.tick(1 + T.watchdog_s)
     assert any(isinstance(a, SendMessage) and isinstance(a.message, Cancel) for a in actions)
     assert not any(isinstance(a, FreeBlocks) for a in actions)
-    fence = 1 + T.watchdog_s + T.max_write_s + T.clock_skew_allowance_s
+    fence = 1 + T.watchdog_s + 2 * T.max_write_s + T.clock_skew_allowance_s
     assert not any(isinstance(a, FreeBlocks) for a in c.tick(fence - 0.01))
     actions = c.tick(fence)
     assert FreeBlocks(TID, DST) in actions

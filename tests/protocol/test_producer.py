@@ -40,6 +40,11 @@ PATHS = {
     PState.WRITING_CANCELLED: [lambda c: c.kv_ready(TID, BLOCKS, 0),
                                lambda c: c.registration_received(registration(), 1),
                                lambda c: c.cancel(cancel(), 2)],
+    PState.DRAINING: [lambda c: c.kv_ready(TID, BLOCKS, 0), lambda c: c.registration_received(registration(), 1),
+                      lambda c: c.tick(1 + T.max_write_s)],
+    PState.DRAINING_CANCELLED: [lambda c: c.kv_ready(TID, BLOCKS, 0),
+                                lambda c: c.registration_received(registration(), 1),
+                                lambda c: c.tick(1 + T.max_write_s), lambda c: c.cancel(cancel(), 7)],
     PState.DONE: [lambda c: c.kv_ready(TID, BLOCKS, 0), lambda c: c.registration_received(registration(), 1),
                   lambda c: c.write_done(TID, 2)],
     PState.FAILED: [lambda c: c.registration_received(registration(), 0), lambda c: c.abort(TID, "gone", 1)],
@@ -250,13 +255,47 @@ def test_heartbeat_for_unknown_transfer_is_counted_not_created():
     assert c.counters["dropped:heartbeat:unknown"] == 1 and not c.entries
 
 
-def test_write_timeout_aborts_the_write_before_freeing_and_tells_d():
+def test_a_write_given_up_on_keeps_our_blocks_and_d_untold_until_it_ends():
+    """Releasing a write does not stop it (NIXL cannot cancel an RDMA op): it may still read our
+    blocks and land in D's. So after max_write_s P only stops waiting for it; its blocks stay held
+    and D hears nothing (a WriteFailed lets D free its blocks at once) until the write ends."""
     c = _reach(PState.WRITING)
     actions = c.tick(1 + T.max_write_s)
+    assert c.state_of(TID) is PState.DRAINING
+    assert not [a for a in actions if isinstance(a, (AbortWrite, FreeBlocks, SendMessage, FailTransfer))]
+    actions = c.write_failed(TID, "remote disconnected", 1 + T.max_write_s + 1)
+    assert FreeBlocks(TID, BLOCKS) in actions
+    (sent,) = [a for a in actions if isinstance(a, SendMessage)]
+    assert isinstance(sent.message, WriteFailed) and "max_write_s" in sent.message.reason
+
+
+def test_a_write_that_never_ends_is_released_after_a_second_max_write_s_before_freeing():
+    c = _reach(PState.WRITING)
+    c.tick(1 + T.max_write_s)
+    assert not [a for a in c.tick(1 + 2 * T.max_write_s - 0.01) if isinstance(a, (AbortWrite, FreeBlocks))]
+    actions = c.tick(1 + 2 * T.max_write_s)
     kinds = [type(a).__name__ for a in actions]
     assert kinds.index("AbortWrite") < kinds.index("FreeBlocks")
     (sent,) = [a for a in actions if isinstance(a, SendMessage)]
     assert isinstance(sent.message, WriteFailed) and "max_write_s" in sent.message.reason
+    assert c.state_of(TID) is PState.FAILED
+
+
+def test_a_write_that_completes_after_p_gave_up_is_delivered_not_failed():
+    """Its WriteDone rode on it, and D takes a late delivery (consumer: TIMING_OUT, DELIVERED)."""
+    c = _reach(PState.WRITING)
+    c.tick(1 + T.max_write_s)
+    actions = c.write_done(TID, 1 + T.max_write_s + 1)
+    assert c.state_of(TID) is PState.DONE
+    assert FreeBlocks(TID, BLOCKS) in actions
+    assert not [a for a in actions if isinstance(a, (SendMessage, FailTransfer))]
+
+
+def test_a_long_pause_past_both_deadlines_releases_the_write_at_once():
+    c = _reach(PState.WRITING)
+    actions = c.tick(1000)
+    assert c.state_of(TID) is PState.FAILED
+    assert [type(a) for a in actions if isinstance(a, (AbortWrite, FreeBlocks))] == [AbortWrite, FreeBlocks]
 
 
 def test_cancel_during_write_keeps_blocks_until_the_write_ends():

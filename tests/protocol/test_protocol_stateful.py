@@ -24,8 +24,8 @@ POOL = 24
 PT = ProducerTimeouts(lease_s=3, max_write_s=2, watchdog_s=5, clock_skew_allowance_s=0.5, tombstone_s=40)
 DT = ConsumerTimeouts(watchdog_s=5, admission_timeout_s=4, heartbeat_interval_s=1, max_write_s=2,
                       clock_skew_allowance_s=0.5, tombstone_s=40)
-D_BOUND = DT.admission_timeout_s + DT.watchdog_s + DT.max_write_s + DT.clock_skew_allowance_s
-P_BOUND = 2 * PT.lease_s + DT.admission_timeout_s + DT.watchdog_s + PT.max_write_s + PT.clock_skew_allowance_s
+D_BOUND = DT.admission_timeout_s + DT.watchdog_s + 2 * DT.max_write_s + DT.clock_skew_allowance_s
+P_BOUND = 2 * PT.lease_s + DT.admission_timeout_s + DT.watchdog_s + 2 * PT.max_write_s + PT.clock_skew_allowance_s
 SECRET = b"stateful-test-secret-0123456789!"
 D_ADDR, P_ADDR = "d:1", "p:1"
 

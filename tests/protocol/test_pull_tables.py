@@ -112,6 +112,8 @@ R_PATHS = {
     RState.READING: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)],
     RState.ABORTING: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
                       lambda c: c.abort(TID, "client gone", 1.5)],
+    RState.DRAINING: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
+                      lambda c: c.tick(3)],  # posted at 1, max_read_s 2
     RState.DONE: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
                   lambda c: c.read_done(TID, 1.5)],
     RState.FAILED: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
@@ -203,3 +205,43 @@ def test_reader_refuses_an_offer_stamped_beyond_the_skew_allowance(behind_s, ref
     assert any(isinstance(a, SendMessage) and isinstance(a.message, ReadFailed) for a in actions)
     late = c.allocated(TID, LOCAL, D_BLOCKS, 0, sent - behind_s + 0.1)
     assert FreeBlocks(TID, D_BLOCKS) in late and not any(isinstance(a, SubmitRead) for a in late)
+
+
+def test_a_read_given_up_on_keeps_d_blocks_and_p_untold_until_it_ends():
+    """Releasing a READ does not stop it (NIXL cannot cancel an RDMA op): its bytes may still land
+    in D's blocks. After max_read_s D stops waiting for it, but its blocks go back to vLLM (and P
+    is told to free its own) only when the READ ends; the load fails either way (D recomputes)."""
+    c = reader()
+    c.offered(offer(), 0)
+    c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)
+    actions = c.tick(3)  # posted at 1, max_read_s 2
+    assert c.state_of(TID) is RState.DRAINING
+    assert not [a for a in actions if isinstance(a, (AbortRead, FreeBlocks, SendMessage, FailTransfer))]
+    actions = c.read_done(TID, 3.5)  # it completed, but P's lease may have ended under it
+    assert c.state_of(TID) is RState.FAILED
+    kinds = [type(a) for a in actions if isinstance(a, (FailTransfer, FreeBlocks, SendMessage))]
+    assert kinds == [FailTransfer, FreeBlocks, SendMessage]
+    assert not [a for a in actions if isinstance(a, FinishLoad)]
+
+
+def test_a_read_that_never_ends_is_released_after_a_second_max_read_s_before_freeing():
+    c = reader()
+    c.offered(offer(), 0)
+    c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)
+    c.tick(3)
+    assert not [a for a in c.tick(4.99) if isinstance(a, (AbortRead, FreeBlocks))]
+    actions = c.tick(5)
+    kinds = [type(a) for a in actions if isinstance(a, (AbortRead, FailTransfer, FreeBlocks))]
+    assert kinds == [AbortRead, FailTransfer, FreeBlocks]
+    assert any(isinstance(a, FailTransfer) and "max_read_s" in a.reason for a in actions)
+
+
+def test_an_aborted_read_keeps_its_blocks_through_the_same_drain():
+    c = reader()
+    c.offered(offer(), 0)
+    c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)
+    c.abort(TID, "client gone", 1.5)
+    assert not [a for a in c.tick(4.99) if isinstance(a, FreeBlocks)]  # READ's deadline 3, then 2 more
+    actions = c.tick(5)
+    assert [type(a) for a in actions if isinstance(a, (AbortRead, FreeBlocks))] == [AbortRead, FreeBlocks]
+    assert c.state_of(TID) is RState.CANCELLED

@@ -418,3 +418,56 @@ def test_the_pull_reader_refuses_an_offer_it_cannot_verify_and_frees_the_blocks(
     d.offered(tid=list(good), offer=p.lend(tid=list(good), blocks=[7])["offer"])
     d.allocate(tid=list(good), blocks=[8])
     d.wait("loaded", good)
+
+
+def test_a_write_p_gave_up_on_keeps_p_blocks_and_d_untold_until_it_ends(ranks):
+    """Releasing a write does not stop it (an RDMA op in flight: the transport here completes a
+    stalled one when told, released or not). After max_write_s P stops waiting, but frees its
+    blocks and answers D only once the write ended; one that ends then is D's KV after all."""
+    p, d = ranks("prefill", "--max-write-s", "1"), ranks("decode", "--watchdog-s", "20")
+    _warm(p, d, [1])
+    p.fill(blocks=[2, 3], seed=5)
+    p.peer.transport.stall_posts_to.add(d.peer.agent)
+    tid = ("stalled", 0)
+    _register(d, p, tid, [4, 5])
+    p.kv_ready(tid=list(tid), blocks=[2, 3])
+    time.sleep(1.5)  # past max_write_s (1), before the drain ends (2)
+    assert not [e for e in p.events_of("free") if e["tid"] == list(tid)]
+    assert not [e for e in d.events_of("failed") if e["tid"] == list(tid)]
+    assert p.peer.transport.land_stalled() == 1
+    d.wait("loaded", tid)
+    assert p.wait("free", tid)["blocks"] == [2, 3]
+    assert d.digest(blocks=[4, 5]) == p.digest(blocks=[2, 3])
+
+
+def test_a_write_that_never_ends_is_released_and_answered_after_the_drain(ranks):
+    p, d = ranks("prefill", "--max-write-s", "0.5"), ranks("decode", "--watchdog-s", "20")
+    _warm(p, d, [1])
+    p.peer.transport.stall_posts_to.add(d.peer.agent)
+    tid = ("never", 0)
+    _register(d, p, tid, [4])
+    p.kv_ready(tid=list(tid), blocks=[2])
+    started = time.monotonic()
+    assert p.wait("free", tid)["blocks"] == [2]
+    assert time.monotonic() - started >= 0.9  # 2 x max_write_s, less a tick
+    assert "max_write_s" in d.wait("failed", tid)["reason"]
+
+
+def test_a_read_d_gave_up_on_keeps_its_blocks_until_it_ends_and_still_recomputes(ranks):
+    """Pull: a READ past max_read_s may still land in D's blocks. They go back to vLLM, failed
+    (D computes the prompt), only once the READ ended or a second max_read_s passed."""
+    p, d = ranks("prefill", "--mode", "pull"), ranks("decode", "--mode", "pull", "--max-write-s", "1")
+    warm = ("warm-read", 0)
+    d.offered(tid=list(warm), offer=p.lend(tid=list(warm), blocks=[1])["offer"])
+    d.allocate(tid=list(warm), blocks=[1])
+    d.wait("loaded", warm)
+    d.peer.transport.stall_posts_to.add(p.peer.agent)
+    tid = ("stalled-read", 0)
+    d.offered(tid=list(tid), offer=p.lend(tid=list(tid), blocks=[2, 3])["offer"])
+    d.allocate(tid=list(tid), blocks=[5, 6])
+    time.sleep(1.5)  # past max_read_s (1), before the drain ends (2)
+    assert not [e for e in d.events_of("free") if e["tid"] == list(tid)]
+    assert d.peer.transport.land_stalled() == 1
+    assert "max_read_s" in d.wait("failed", tid)["reason"]
+    assert sorted(d.wait("free", tid)["blocks"]) == [5, 6]
+    assert not [e for e in d.events_of("loaded") if e["tid"] == list(tid)]
