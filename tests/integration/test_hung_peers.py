@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import tempfile
 import time
 
 import httpx
@@ -19,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
+from neuron_disagg import timeline  # noqa: E402
 from neuron_disagg.local_cluster import free_port, router, start_in_waves  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
@@ -37,14 +40,15 @@ EARLY, LATE = 2, 2  # requests sent just before the pause, and while the instanc
 def hung(cluster):
     """A P, a D and a router of their own, sharing the cluster's vLLM, model and secret."""
     p_side = free_port()
-    p = cluster.instance("prefill", p_side, "0", dict(TIMEOUTS))
-    d = cluster.instance("decode", free_port(), "1", dict(TIMEOUTS))
+    marks = tempfile.mkdtemp(prefix="neuron-disagg-hung-timeline-")  # for a mismatch's report
+    p = cluster.instance("prefill", p_side, "0", {**TIMEOUTS, "timeline_dir": marks})
+    d = cluster.instance("decode", free_port(), "1", {**TIMEOUTS, "timeline_dir": marks})
     r = router([(p.url, p_side)], [d.url], free_port(), secret=cluster.secret,
-               extra_args=("--health-interval-s", "1"))
+               extra_args=("--health-interval-s", "1", "--timeline-dir", marks))
     started = []
     try:
         start_in_waves([p, d], [r], started=started)
-        yield {"prefill": p, "decode": d, "router": r}
+        yield {"prefill": p, "decode": d, "router": r, "timeline": marks}
     finally:
         for instance in started:
             instance.resume()  # never leave a stopped group behind
@@ -76,7 +80,7 @@ def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster,
             tasks = [send(t) for t in texts[:EARLY]]
             await asyncio.sleep(0.05)
             hung[target].pause()
-            stopped = time.monotonic()
+            stopped, stopped_at = time.monotonic(), time.time()
             try:
                 await asyncio.sleep(0.5)
                 tasks += [send(t) for t in texts[EARLY:]]
@@ -84,9 +88,9 @@ def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster,
             finally:
                 hung[target].resume()
             answers = await asyncio.gather(*tasks)
-            return want, answers, time.monotonic() - stopped
+            return want, answers, time.monotonic() - stopped, stopped_at
 
-    want, answers, took = run(scenario())
+    want, answers, took, stopped_at = run(scenario())
     assert [a.status_code for a in answers] == [200] * len(texts), [a.text for a in answers if a.status_code != 200]
     got = [a.json()["choices"][0]["text"] for a in answers]
     bound = paused_s + D_BOUND_S + 10
@@ -100,7 +104,31 @@ def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster,
     if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
         with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
             out.write(row + "\n")
-    assert got == want
+    assert got == want, _mismatch_report(cluster, hung, texts, want, answers, stopped_at)
     assert took < bound, f"answers took {took:.1f} s after the pause began, bound {bound:.0f} s"
     wait_for(lambda: httpx.get(f"{hung['router'].url}/health", timeout=5).status_code == 200, 30,
              "the router seeing both instances healthy again")
+
+
+def _mismatch_report(cluster, hung, texts, want, answers, stopped_at) -> str:
+    """What tells a wrong answer's cause apart: the same prompt asked of P and of D directly (their
+    own prefix caches then serve it: a differing answer there means the cached KV itself is wrong),
+    and the transfer's timeline relative to the pause."""
+    marks = timeline.load(hung["timeline"])
+    lines = [f"pause began at {stopped_at:.3f}"]
+    for i, (text, expected, answer) in enumerate(zip(texts, want, answers)):
+        got = answer.json()["choices"][0]["text"]
+        if got == expected:
+            continue
+        lines.append(f"request {i} ({answer.json().get('id')}): got {got!r}, monolithic {expected!r}")
+        for role in ("prefill", "decode"):
+            direct = httpx.post(f"{hung[role].url}/v1/completions", json=body(text, 24), timeout=120)
+            answered = direct.json()["choices"][0]["text"] if direct.status_code == 200 else direct.text[:200]
+            lines.append(f"  asked of {role} directly: "
+                         + ("monolithic's" if answered == expected else f"DIFFERENT ({direct.status_code}): {answered!r}"))
+        hexes = set(re.findall(r"[0-9a-f]{32}", f"{answer.json().get('id')} {answer.headers.get('X-Request-Id')}"))
+        for tid, events in marks.items():
+            if any(h in tid for h in hexes):
+                lines.append(f"  timeline {tid}: " + ", ".join(
+                    f"{e} {at - stopped_at:+.3f}" for e, at in sorted(events.items(), key=lambda kv: kv[1])))
+    return "\n".join(lines)
