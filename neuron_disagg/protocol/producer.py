@@ -344,7 +344,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
                 entry.registration = step.payload
             self._submit(entry, step)
         elif effect is F.DRAIN:
-            entry.deadline = (entry.deadline if entry.deadline is not None else step.now) + t.max_write_s
+            entry.deadline += t.max_write_s  # set by SUBMIT_WRITE: a write is in flight
         elif effect is F.ABORT_WRITE:
             step.actions.append(AbortWrite(tid))
         elif effect is F.FREE_BLOCKS:

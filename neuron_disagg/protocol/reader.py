@@ -5,8 +5,8 @@ needs, off its engine loop. The fencing mirrors push: D starts no READ after the
 ``expires_at`` (refusing outright an offer stamped in its own future beyond the clock skew
 allowance) and gives up on a READ after ``max_read_s``. Giving up does not stop a READ (NIXL
 cannot cancel an RDMA op in flight), so D's blocks stay out of vLLM's hands until the READ ends,
-or until a second ``max_read_s`` has passed; only then does D tell P. Every transition is in ``READER_TABLE``; the
-core does no I/O and is called only by D's pull reader thread.
+or until a second ``max_read_s`` has passed; only then does D tell P. Every transition is in
+``READER_TABLE``; the core does no I/O and is called only by D's pull reader thread.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
             step.actions.append(SubmitRead(tid, plans, entry.offer.p_side_channel,
                                            ReadDone(tid, self.tp_rank, self.tp_size)))
         elif effect is REffect.DRAIN:
-            entry.deadline = (entry.deadline if entry.deadline is not None else step.now) + self.timeouts.max_read_s
+            entry.deadline += self.timeouts.max_read_s  # set by SUBMIT_READ: a READ is in flight
         elif effect is REffect.ABORT_READ:
             step.actions.append(AbortRead(tid))
         elif effect is REffect.FREE_BLOCKS:
