@@ -69,8 +69,8 @@ check
 touch "$STAMP"
 # The environments share most large files (torch 2.13.0 and triton between 0.32 and 0.29, NIXL's
 # libraries, llvmlite, ...): one copy of each, hard-linked, saves about 4 GiB of the 14.6 the three
-# take. Only files of equal content and mode are linked, and pip replaces files rather than writing
-# into them, so one environment's upgrade leaves the others as they were.
+# took unshared. Only files of equal content and mode are linked, and pip replaces files rather
+# than writing into them, so one environment's upgrade leaves the others as they were.
 environments=()
 for dir in .venv .venv-vllm-*; do [ -d "$dir" ] && environments+=("$dir"); done
 if command -v hardlink > /dev/null; then
