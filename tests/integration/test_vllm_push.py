@@ -268,19 +268,46 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
         return want, [r.json()["choices"][0]["text"] for r in plain], streamed
 
     early = metric(cluster.p, "neuron_disagg_early_hand_offs_total")
-    planned = metric(cluster.p, "neuron_disagg_writes_planned_ahead_total")
-    built = metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total")
     want, plain, streamed = run(scenario())
     assert plain == want
     assert streamed == want
     handed_over_early(cluster, early, 6)
-    # D registers while P computes: for some of the six (not necessarily the shortest prompts) the
-    # writer planned while the last forward ran, and the write waited for no plan.
+    blocks_back(cluster)
+
+
+def test_a_registration_that_came_first_is_planned_and_built_during_the_last_forward(cluster):
+    """D's registration reached P's writer before P scheduled the prefill (sent first here, so that
+    no race decides it; through the router both legs leave at once and either may win): the writer
+    planned the write and built its NIXL request while the prefill's last forward ran, and after it
+    only posted it."""
+    text = prompt(400, 24)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            want = await reference(cluster, client, text, 12)
+            # P first, so that its agent knows D's and neither count moves before the snapshot below
+            warm_p, warm_d = legs(cluster, prompt(30, 25), 2)
+            assert (await client.post(f"{cluster.p.url}/v1/completions", json=warm_p)).status_code == 200
+            assert (await client.post(f"{cluster.d.url}/v1/completions", json=warm_d)).status_code == 200
+            planned = metric(cluster.p, "neuron_disagg_writes_planned_ahead_total")
+            built = metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total")
+            p_body, d_body = legs(cluster, text, 12)
+            tid = p_body["kv_transfer_params"]["transfer_id"]
+            d = asyncio.create_task(client.post(f"{cluster.d.url}/v1/completions", json=d_body))
+            await asyncio.to_thread(wait_for, lambda: "p_registration" in timeline.load(cluster.timeline_dir)
+                                    .get(tid, {}), 30, "D's registration at P's writer")
+            p = await client.post(f"{cluster.p.url}/v1/completions", json=p_body)
+            assert p.status_code == 200, p.text
+            d = await d
+            assert d.status_code == 200, d.text
+            return want, d.json()["choices"][0]["text"], planned, built
+
+    want, got, planned, built = run(scenario())
+    assert got == want
     wait_for(lambda: metric(cluster.p, "neuron_disagg_writes_planned_ahead_total") > planned, 30,
-             "a write planned during its prefill's last forward")
-    # and its NIXL request built then too (P's agent knew D's from the requests before), then posted
+             "the write planned during its prefill's last forward")
     wait_for(lambda: metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total") > built, 30,
-             "a write whose NIXL request was built during its prefill's last forward")
+             "the write whose NIXL request was built during its prefill's last forward")
     blocks_back(cluster)
 
 
