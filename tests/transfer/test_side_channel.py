@@ -84,11 +84,11 @@ def test_a_frame_without_the_secret_closes_its_connection_and_is_counted(server,
 
 def test_a_stalled_or_silent_connection_is_closed_at_the_first_frame_deadline(server):
     srv = server(first_frame_s=0.3)
+    started = time.monotonic()  # before the server accepts, when its deadline starts
     silent, stalled = connect(srv), connect(srv)
     stalled.sendall(struct.pack(">I", 200) + b"x" * 50)  # a frame that never completes
-    started = time.monotonic()
     assert closed_by_server(silent) and closed_by_server(stalled)
-    assert 0.25 < time.monotonic() - started < 2.0
+    assert 0.25 < time.monotonic() - started < 5.0
     assert srv.rejected["first_frame_timeout"] == 2 and srv.connections == 0
 
 
@@ -175,7 +175,9 @@ time.sleep(2.0)
 print(time.process_time() - start, srv.rejected["accept_failed"], flush=True)
 for fd in hog[:8]:
     os.close(fd)
-time.sleep(0.5)
+deadline = time.monotonic() + 10
+while srv.connections < 3 and time.monotonic() < deadline:  # its pause after a failed accept ends
+    time.sleep(0.05)
 print(srv.connections, flush=True)
 """
 

@@ -2,13 +2,16 @@
 channels: their lifecycle, isolation from slow peers, and error propagation."""
 
 import base64
+import queue
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from neuron_disagg.protocol import AgentInfoRequest, TransferId, WireCodec, WriteDone
 from neuron_disagg.testing.peer import Peer, parser
+from neuron_disagg.transfer import thread as thread_module
 
 
 @pytest.fixture(autouse=True)
@@ -360,41 +363,57 @@ def test_the_receiver_polls_closely_only_once_p_says_it_is_writing(ranks):
     d.wait("loaded", dropped, timeout=2 * receiver.tick_interval_s + 2)
 
 
-def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfer_is_live(ranks):
-    """An instance with nothing in flight must cost its core (almost) nothing: no tick, and the
-    receiver, whose agent P writes into, polls its transport only every ``idle_progress_s``. Ticks
-    (deadlines) run while any transfer is live; ended ones wait as tombstones, no tick needed."""
-    p, d = ranks("prefill"), ranks("decode")
-    counts = {}
-    for name, thread in (("writer", p.peer.thread), ("receiver", d.peer.thread)):
-        original = thread._poll
-        counts[name] = 0
+class _WaitsSeen(queue.SimpleQueue):
+    """A thread's inbox that records the timeout of each wait for an item: what the thread chose to
+    sleep for, whatever the machine's load did to when it woke."""
 
-        def counting(original=original, name=name):
-            counts[name] += 1
-            original()
-        thread._poll = counting
-    time.sleep(0.1)
-    receiver = d.peer.thread
-    slow = 0.5 / receiver.idle_progress_s + 1
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    def get(self, block=True, timeout=None):
+        self.timeouts.append(timeout)
+        return super().get(block, timeout)
+
+
+def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfer_is_live(ranks, monkeypatch):
+    """An instance with nothing in flight must cost its core (almost) nothing: the writer sleeps
+    until an item arrives (no tick), and the receiver, whose agent P writes into, wakes to poll its
+    transport only every ``idle_progress_s``. Ticks (deadlines) run while any transfer is live;
+    ended ones wait as tombstones, no tick needed."""
+    monkeypatch.setattr(thread_module, "queue", SimpleNamespace(SimpleQueue=_WaitsSeen, Empty=queue.Empty))
+    p, d = ranks("prefill"), ranks("decode")
+    writer, receiver = p.peer.thread, d.peer.thread
+    want_idle = {writer: None, receiver: receiver.idle_progress_s}
+    assert receiver.idle_progress_s is not None and receiver.idle_progress_s > writer.tick_interval_s
+
+    def waits(thread, since=0):
+        return thread._inbox.timeouts[since:]
 
     def idle_for(seconds):
-        before = dict(counts)
+        for thread, idle in want_idle.items():
+            wait_for(lambda: waits(thread)[-1:] == [idle], f"{thread._thread.name} waiting {idle}")
+        seen = {thread: len(waits(thread)) for thread in want_idle}
         time.sleep(seconds)
-        assert counts["writer"] == before["writer"]  # ten ticks' worth of time, not one wake-up
-        assert counts["receiver"] - before["receiver"] <= slow
-        return before
-    before = idle_for(0.5)
+        for thread, idle in want_idle.items():
+            assert set(waits(thread, seen[thread] - 1)) == {idle}, waits(thread, seen[thread] - 1)
+    idle_for(0.5)
     tid = ("live", 0)
+    seen = {thread: len(waits(thread)) for thread in want_idle}
     _register(d, p, tid, [1, 2])
-    time.sleep(0.5)
-    ticks = d.peer.thread.tick_interval_s
-    assert counts["receiver"] - before["receiver"] >= 0.25 / ticks  # live: deadlines are watched
-    assert counts["writer"] - before["writer"] >= 0.25 / ticks      # P holds D's registration
+    for thread in want_idle:  # live: deadlines are watched (P holds D's registration)
+        wait_for(lambda: writer.tick_interval_s in waits(thread, seen[thread]),
+                 f"{thread._thread.name} ticking")
     p.kv_ready(tid=list(tid), blocks=[3, 4])
     d.wait("loaded", tid)
-    time.sleep(0.2)
     idle_for(0.5)
+
+
+def wait_for(predicate, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("frames", ["forged", "for another transfer", "garbage"])
@@ -420,6 +439,12 @@ def test_the_pull_reader_refuses_an_offer_it_cannot_verify_and_frees_the_blocks(
     d.wait("loaded", good)
 
 
+def _wait_for_state(rank, tid, state):
+    entries = rank.peer.core.entries
+    wait_for(lambda: getattr(getattr(entries.get(TransferId(*tid)), "state", None), "value", None) == state,
+             f"{tid} {state}")
+
+
 def test_a_write_p_gave_up_on_keeps_p_blocks_and_d_untold_until_it_ends(ranks):
     """Releasing a write does not stop it (an RDMA op in flight: the transport here completes a
     stalled one when told, released or not). After max_write_s P stops waiting, but frees its
@@ -431,7 +456,7 @@ def test_a_write_p_gave_up_on_keeps_p_blocks_and_d_untold_until_it_ends(ranks):
     tid = ("stalled", 0)
     _register(d, p, tid, [4, 5])
     p.kv_ready(tid=list(tid), blocks=[2, 3])
-    time.sleep(1.5)  # past max_write_s (1), before the drain ends (2)
+    _wait_for_state(p, tid, "draining")  # past max_write_s (1); the drain ends a max_write_s later
     assert not [e for e in p.events_of("free") if e["tid"] == list(tid)]
     assert not [e for e in d.events_of("failed") if e["tid"] == list(tid)]
     assert p.peer.transport.land_stalled() == 1
@@ -465,7 +490,7 @@ def test_a_read_d_gave_up_on_keeps_its_blocks_until_it_ends_and_still_recomputes
     tid = ("stalled-read", 0)
     d.offered(tid=list(tid), offer=p.lend(tid=list(tid), blocks=[2, 3])["offer"])
     d.allocate(tid=list(tid), blocks=[5, 6])
-    time.sleep(1.5)  # past max_read_s (1), before the drain ends (2)
+    _wait_for_state(d, tid, "draining")  # past max_read_s (1); the drain ends a max_read_s later
     assert not [e for e in d.events_of("free") if e["tid"] == list(tid)]
     assert d.peer.transport.land_stalled() == 1
     assert "max_read_s" in d.wait("failed", tid)["reason"]
