@@ -88,8 +88,9 @@ def test_prefix_hit_writes_only_the_tail(pair):
 def test_many_requests_in_flight(pair):
     p, d = pair
     tids = [[f"many-{i}", 0] for i in range(24)]
-    for i, tid in enumerate(tids):
+    for i in range(len(tids)):  # before D's first registration starts its watchdog
         p.call("fill", blocks=[64 + i], seed=1000 + i)
+    for i, tid in enumerate(tids):
         d.call("expect", tid=tid, p_address=p.address)
         d.call("allocate", tid=tid, blocks=[100 + i])
     for i, tid in enumerate(tids):

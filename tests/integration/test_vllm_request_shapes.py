@@ -144,11 +144,14 @@ def test_a_request_decode_refuses_frees_prefills_kv_at_once(cluster, routed, mod
     """P's one-token leg accepts what D refuses (D checks parameters that leg does not carry): the
     client gets D's 400, and P frees the prompt's KV at once (the router's Withdraw) instead of
     holding it for its lease waiting for a D that will never ask. It held it 6-10 s here before."""
+    expiries = metric(cluster.p, "neuron_disagg_lease_expiries_total")  # push's; pull's lender counts none
     want, got = run(compare(cluster, routed, "/v1/completions", body, mode))
     assert want[0] == 400 and got[0] == 400 and parameter in got[1], (want, got)
     took = wait_for(lambda: kv_usage(cluster.p) == 0.0 and metric(cluster.p, "neuron_disagg_held_blocks{") == 0,
                     PATIENT["lease_s"] + 10, "P's KV back to none in use")
-    assert took < PATIENT["lease_s"] / 2, f"P held the refused request's KV {took:.1f} s (its lease: {PATIENT['lease_s']} s)"
+    # The lease would have freed it about a lease after P's answer; the Withdraw does within a step.
+    assert took < PATIENT["lease_s"] * 0.75, f"P held the refused request's KV {took:.1f} s (its lease: {PATIENT['lease_s']} s)"
+    assert metric(cluster.p, "neuron_disagg_lease_expiries_total") == expiries
     blocks_back(cluster)
 
 
@@ -184,9 +187,9 @@ def test_legs_sent_again_after_their_transfer_ended_are_answered_at_once_and_hol
     first, again, took = run(twice())
     assert [r.status_code for r in (*first, *again)] == [200] * 4, [r.text for r in (*first, *again)]
     texts = [r.json()["choices"][0]["text"] for r in (first[1], again[1])]
-    assert texts == [want[1][0][1]] * 2 and took < 10, (texts, want, took)
+    assert texts == [want[1][0][1]] * 2 and took < 30, (texts, want, took)  # not D's 120 s watchdog
     freed = wait_for(lambda: kv_usage(cluster.p) == 0.0, PATIENT["lease_s"] + 10, "P's KV back to none in use")
-    assert freed < PATIENT["lease_s"] / 2, f"P held the repeated leg's KV {freed:.1f} s (its lease: {PATIENT['lease_s']} s)"
+    assert freed < PATIENT["lease_s"] * 0.75, f"P held the repeated leg's KV {freed:.1f} s (its lease: {PATIENT['lease_s']} s)"
 
 
 @pytest.mark.parametrize("mode", MODES)
