@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import OrderedDict
 
 from ..protocol.messages import TransferId
@@ -41,11 +42,12 @@ def remember(failed: dict[str, str]) -> None:
 async def _reason(transfer_id: str | None) -> str | None:
     if not transfer_id:
         return None
-    for _ in range(int(_WAIT_S / 0.05)):
-        if transfer_id in _recent:
-            return _recent.pop(transfer_id)
+    deadline = time.monotonic() + _WAIT_S  # a loaded loop oversleeps each turn: count time, not turns
+    while transfer_id not in _recent:
+        if time.monotonic() >= deadline:
+            return None
         await asyncio.sleep(0.05)
-    return None
+    return _recent.pop(transfer_id)
 
 
 def _message(reason: str) -> str:

@@ -79,7 +79,7 @@ def test_other_answers_pass_unchanged():
     assert client.post("/fine", headers={"X-Request-Id": "req.9#0"}).json()["choices"][0]["text"] == "Internal server error"
     started = time.monotonic()
     r = client.post("/failed", headers={"X-Request-Id": "unknown#0"})  # not a KV failure: vLLM's own answer
-    assert r.json() == VLLM_ERROR and time.monotonic() - started < failures._WAIT_S + 0.5
+    assert r.json() == VLLM_ERROR and time.monotonic() - started < failures._WAIT_S + 1.0
 
 
 def test_reasons_from_several_ranks_merge_and_reach_the_api_server_process():

@@ -202,7 +202,7 @@ def test_a_transfer_thread_that_died_stops_the_engine_loop_with_its_reason(monke
 class Blocking(Exploding):
     """A real transfer thread whose handler blocks until released, as a call into a hung driver."""
 
-    stuck_after_s = 0.4
+    stuck_after_s = 0.8  # steps 0.05 s apart count as seen a quarter of it apart, oversleeping 4x
 
     def __init__(self):
         super().__init__()
@@ -217,12 +217,12 @@ def test_a_transfer_thread_stuck_in_one_call_stops_the_engine_loop_saying_where(
     d = worker(monkeypatch, "decode")
     stuck = d.push = Blocking().start()
     try:
-        time.sleep(0.6)  # idle, waiting for work, for longer than stuck_after_s: not stuck
+        time.sleep(1.0)  # idle, waiting for work, for longer than stuck_after_s: not stuck
         for _ in range(10):
             d.transfer_results(set())
             time.sleep(0.05)
         stuck._inbox.put("work that never ends")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         with pytest.raises(TransferThreadDied, match=r"(?s)push-receiver-0 has been stuck for .* in _wait_in_the_driver"):
             while time.monotonic() < deadline:  # the engine steps on; within stuck_after_s and a step it stops
                 d.transfer_results(set())
@@ -240,7 +240,7 @@ def test_a_pause_of_the_whole_process_is_not_taken_for_a_stuck_thread(monkeypatc
         paused._inbox.put("a turn the pause falls into")
         time.sleep(0.05)
         d.transfer_results(set())  # seen in that turn...
-        time.sleep(0.5)            # ...the engine paused longer than stuck_after_s (no steps)...
+        time.sleep(1.0)            # ...the engine paused longer than stuck_after_s (no steps)...
         d.transfer_results(set())  # ...and on resume: not stuck yet
         paused.release.set()
         time.sleep(0.1)
