@@ -59,7 +59,7 @@ def test_decode_gives_up_before_allocating_and_p_frees_early(pull_pair):
     offer = p.call("lend", tid=tid, blocks=[110])["offer"]
     d.call("offered", tid=tid, offer=offer)
     d.call("abort", tid=tid, reason="client disconnected")
-    assert p.event_for("free", tid, timeout=2)["blocks"] == [110]  # ReadFailed, before the 4.2 s lease
+    assert p.event_for("free", tid, timeout=3.5)["blocks"] == [110]  # ReadFailed, before the 4.2 s lease
 
 
 def test_pull_blocks_are_back(pull_pair):

@@ -103,7 +103,7 @@ async def test_pull_prefill_failure_retries_with_the_next_attempt():
 
 
 async def test_decode_failures_are_openai_errors_with_a_reason():
-    async with cluster(prefill=1, decode=1, mode="push", decode_first_byte_timeout_s=0.3) as c:
+    async with cluster(prefill=1, decode=1, mode="push", decode_first_byte_timeout_s=1.0) as c:
         d = c.decodes[0]
         for fail_status, want_status, want_code in ((500, 502, "decode_error"),
                                                     (503, 503, "decode_error")):
