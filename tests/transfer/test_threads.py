@@ -392,7 +392,7 @@ def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfe
 
     def idle_for(seconds):
         for thread, idle in want_idle.items():
-            wait_for(lambda: waits(thread)[-1:] == [idle], f"{thread._thread.name} waiting {idle}")
+            _until(lambda: waits(thread)[-1:] == [idle], f"{thread._thread.name} not waiting {idle}", 10)
         seen = {thread: len(waits(thread)) for thread in want_idle}
         time.sleep(seconds)
         for thread, idle in want_idle.items():
@@ -402,18 +402,11 @@ def test_an_idle_thread_sleeps_until_work_arrives_and_ticks_only_while_a_transfe
     seen = {thread: len(waits(thread)) for thread in want_idle}
     _register(d, p, tid, [1, 2])
     for thread in want_idle:  # live: deadlines are watched (P holds D's registration)
-        wait_for(lambda: writer.tick_interval_s in waits(thread, seen[thread]),
-                 f"{thread._thread.name} ticking")
+        _until(lambda: writer.tick_interval_s in waits(thread, seen[thread]),
+               f"{thread._thread.name} not ticking", 10)
     p.kv_ready(tid=list(tid), blocks=[3, 4])
     d.wait("loaded", tid)
     idle_for(0.5)
-
-
-def wait_for(predicate, what, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("frames", ["forged", "for another transfer", "garbage"])
@@ -440,9 +433,10 @@ def test_the_pull_reader_refuses_an_offer_it_cannot_verify_and_frees_the_blocks(
 
 
 def _wait_for_state(rank, tid, state):
-    entries = rank.peer.core.entries
-    wait_for(lambda: getattr(getattr(entries.get(TransferId(*tid)), "state", None), "value", None) == state,
-             f"{tid} {state}")
+    def now():
+        entry = rank.peer.core.entries.get(TransferId(*tid))
+        return entry.state.value if entry else None
+    _until(lambda: now() == state, f"{tid} never {state}", 10)
 
 
 def test_a_write_p_gave_up_on_keeps_p_blocks_and_d_untold_until_it_ends(ranks):
