@@ -73,6 +73,11 @@ class Config(BaseModel):
         "recompute", description="when KV cannot arrive (P dead or hung, a write failed, the watchdog "
         "fired), D computes the prompt itself (recompute) or the request fails (fail); `serve` sets "
         "vLLM's kv_load_failure_policy from it")
+    landing_wait_s: float = Field(
+        0.002, ge=0, le=0.1, description="D: in an engine step that computes nothing while KV is landing, "
+        "wait up to this long for it, so that this step reports it rather than the next one (vLLM's loop "
+        "sleeps between such steps anyway); a request or abort arriving meanwhile waits at most this "
+        "long. 0: never wait")
     timeline_dir: Path | None = Field(None, description="append per-transfer timestamps here (for the "
                                       "TTFT breakdown of the demo and the benchmark); off when unset")
 

@@ -69,6 +69,10 @@ class PullReader(TransferThread):
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
+    def expecting_a_landing(self) -> bool:
+        """Engine: a READ into our blocks is posted and not yet complete."""
+        return bool(self.reads)
+
     # -- the thread ------------------------------------------------------------------------------------
     def _busy(self) -> bool:
         return bool(self.reads)

@@ -72,6 +72,10 @@ class PushReceiver(TransferThread):
     def deliver(self, message: WriteStarting | WriteDone | WriteFailed | CancelAck) -> None:
         self._inbox.put(Deliver(message))
 
+    def expecting_a_landing(self) -> bool:
+        """Engine: P said it is writing into our blocks and the write has not been seen to land."""
+        return bool(self._writing)
+
     # -- the thread -------------------------------------------------------------------------------------
     def _busy(self) -> bool:
         return bool(self._writing)

@@ -177,6 +177,7 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         return blocks
 
     def _results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        self.worker_side.wait_for_landing()  # outside the clock: a step with nothing to compute
         with self._step:
             sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
         wall, cpu = self._step.take()  # I5: what the engine loop paid us

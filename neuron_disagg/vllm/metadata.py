@@ -83,6 +83,8 @@ class StepMetadata(KVConnectorMetadata):
     lend: list[Lend] = field(default_factory=list)
     read: list[ReadOffer] = field(default_factory=list)
     abort: list[Abort] = field(default_factory=list)
+    # The step schedules no tokens: its worker runs no forward, and vLLM's engine loop sleeps after it.
+    no_forward: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.register or self.kv_ready or self.kv_ready_after_forward

@@ -334,6 +334,7 @@ class SchedulerSide:
         if scheduler_output is not None and self._following:  # D's steps never walk their legs
             self._follow_prefills(scheduler_output)
         step, self._step = self._step, StepMetadata()
+        step.no_forward = scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
         return step
 
     def _follow_prefills(self, out) -> None:

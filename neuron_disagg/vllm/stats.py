@@ -37,6 +37,10 @@ COUNTS = {
                             "for no plan (of transfers; the rest: D registered after that forward)",
     "writes_prepared_ahead": "P WRITEs (one per D rank) whose NIXL request was built while the prefill's last "
                              "forward ran, so that after it the write was only posted",
+    "landings_awaited": "D: loads seen landing by a step that runs no forward, which waited for them (up to "
+                        "landing_wait_s) so that it, not the next step, reported them",
+    "landing_wait_us": "D: time the engine loop spent in those waits, microseconds (steps that compute nothing; "
+                       "not in neuron_disagg_connector_step_seconds)",
     "lease_expiries": "P leases that expired with no registration or heartbeat",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
     "push_thread_cpu_us": "CPU time of the push thread (P: the writer; D: the receiver), microseconds",

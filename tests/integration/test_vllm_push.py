@@ -312,8 +312,19 @@ def test_a_registration_that_came_first_is_planned_and_built_during_the_last_for
 
 
 def test_connector_metrics_appear_on_vllm_metrics(cluster):
+    awaited = metric(cluster.d, "neuron_disagg_landings_awaited_total")
     want, got = run(_compare(cluster, [prompt(60, 31)]))
     assert got == want
+    # D idled while P computed, so a step that ran no forward waited for the write and reported it.
+    # Not always the first write: P's WriteStarting may reach D's receiver after the write itself
+    # (a fresh side-channel connection), and then nothing is left to wait for.
+    for seed in range(32, 36):
+        if metric(cluster.d, "neuron_disagg_landings_awaited_total") > awaited:
+            break
+        more_want, more_got = run(_compare(cluster, [prompt(60, seed)]))
+        assert more_got == more_want
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_landings_awaited_total") > awaited, 30,
+             "D's step that waited for the landing")
     wait_for(lambda: metric(cluster.p, "neuron_disagg_transfers_total") > 0, 30, "P's transfer counter")
     wait_for(lambda: metric(cluster.d, "neuron_disagg_transfers_total") > 0, 30, "D's transfer counter")
     assert metric(cluster.p, "neuron_disagg_bytes_total") > 0

@@ -46,7 +46,9 @@ class Cluster:
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
         on = {"timeline_dir": self.timeline_dir}
         self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on})
-        self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on})
+        # The landing wait at the config's bound, so that an idle D's steps catch every landing they
+        # can (at the default 2 ms about half of them here) and the metrics test can see one.
+        self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on, "landing_wait_s": 0.1})
 
     def instance(self, role: str, side_port: int, cpu: str, config: dict, **kwargs):
         """A P or D of this cluster's vLLM and model, sharing its secret (not started)."""

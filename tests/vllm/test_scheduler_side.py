@@ -55,7 +55,8 @@ def step(new=None, cached=None, scheduled=None, preempted=(), resumed=()):
     (tokens computed before the step, its new blocks or None); ``scheduled`` to its tokens this step."""
     new, cached = new or {}, cached or {}
     return SimpleNamespace(
-        num_scheduled_tokens=dict(scheduled or {}), preempted_req_ids=set(preempted),
+        num_scheduled_tokens=dict(scheduled or {}), total_num_scheduled_tokens=sum((scheduled or {}).values()),
+        preempted_req_ids=set(preempted),
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(list(b),))
                             for r, (c, b) in new.items()],
         scheduled_cached_reqs=SimpleNamespace(
@@ -437,3 +438,10 @@ def test_ended_transfers_are_remembered_up_to_a_bound(monkeypatch):
         d.get_num_new_matched_tokens(r, 0)
         d.request_finished(r, [])
     assert list(d.ended) == [transfer_key(TransferId("req.1", 0), list(t)) for t in (B, range(200, 220))]
+
+
+def test_each_step_tells_the_workers_whether_it_runs_a_forward():
+    d = SchedulerSide(BLOCK, SIGNER)
+    assert d.build_connector_meta(step()).no_forward
+    assert not d.build_connector_meta(step(scheduled={"r": 1})).no_forward
+    assert not d.build_connector_meta(None).no_forward

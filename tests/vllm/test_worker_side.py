@@ -281,3 +281,72 @@ def test_stats_report_each_transfer_threads_cpu_time_and_only_its_own(monkeypatc
         assert counts.get("pull_thread_cpu_us", 0) < 10_000
     finally:
         d.pull.shutdown()
+
+
+def landing_in_flight(monkeypatch, wait_s: float, *, push: bool = True, pull: bool = False) -> WorkerSide:
+    """A D whose receiver (push) or reader (pull) has KV on the wire into blocks registered for
+    TID, with the landing wait set to ``wait_s`` (past the config's bound where a test needs a wait
+    that only the landing can end)."""
+    d = worker(monkeypatch, "decode")
+    d.config = d.config.model_copy(update={"landing_wait_s": wait_s})
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5, 6), 0)]))
+    d.push.expecting_a_landing, d.pull.expecting_a_landing = (lambda: push), (lambda: pull)
+    return d
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_step_without_a_forward_waits_for_kv_in_flight_and_reports_it_as_it_lands(monkeypatch, mode):
+    d = landing_in_flight(monkeypatch, 30.0, push=mode == "push", pull=mode == "pull")
+    d.hand_off(StepMetadata(no_forward=True))
+    threading.Timer(0.2, d._on_loaded, (TID,)).start()
+    started = time.monotonic()
+    d.wait_for_landing()
+    assert 0.15 < time.monotonic() - started < 10  # woken by the landing, not the 30 s bound
+    assert d.transfer_results(set()) == (set(), {RID}, set())
+    counts = d.stats()["counts"]
+    assert counts["landings_awaited"] == 1 and 150_000 < counts["landing_wait_us"] < 10_000_000
+
+
+def test_the_wait_is_bounded_and_a_freed_transfer_ends_it_too(monkeypatch):
+    d = landing_in_flight(monkeypatch, 0.05)
+    d.hand_off(StepMetadata(no_forward=True))
+    started = time.monotonic()
+    d.wait_for_landing()  # nothing lands: the bound
+    assert time.monotonic() - started >= 0.05
+    assert d.transfer_results(set()) == (set(), set(), set())
+    counts = d.stats()["counts"]
+    assert "landings_awaited" not in counts and counts["landing_wait_us"] >= 50_000
+    d.config = d.config.model_copy(update={"landing_wait_s": 30.0})
+    d._on_failed(TID, "lease expired")
+    threading.Timer(0.2, d._on_free, (TID, (5, 6))).start()
+    started = time.monotonic()
+    d.wait_for_landing()
+    assert time.monotonic() - started < 10
+    assert d.transfer_results(set()) == (set(), {RID}, {RID})
+
+
+@pytest.mark.parametrize("case", ["a forward runs", "nothing in flight", "the last step reported", "prefill",
+                                  "already landed", "configured off"])
+def test_no_wait_where_the_step_computes_or_has_nothing_to_wait_for(monkeypatch, case):
+    d = landing_in_flight(monkeypatch, 0.0 if case == "configured off" else 30.0,
+                          push=case != "nothing in flight")
+    if case == "the last step reported":
+        d.hand_off(StepMetadata(register=[AllocatedBlocks(TransferId("req.2/abc", 0), "other", (7,), 0)]))
+        d._on_loaded(TID)
+        assert d.transfer_results(set())[1] == {RID}
+    if case == "prefill":
+        d.role = "prefill"
+    if case == "already landed":
+        d._on_loaded(TID)
+    d.hand_off(StepMetadata(no_forward=case != "a forward runs"))
+    started = time.monotonic()
+    d.wait_for_landing()
+    assert time.monotonic() - started < 5
+    counts = (d.stats() or {}).get("counts", {})
+    assert "landings_awaited" not in counts and "landing_wait_us" not in counts
+
+
+def test_the_landing_wait_is_bounded_in_the_config():
+    assert Config().landing_wait_s == 0.002
+    with pytest.raises(ValueError, match="landing_wait_s"):
+        Config.from_mapping({"landing_wait_s": 1.0})
