@@ -73,6 +73,9 @@ def test_older_vllm_gets_a_failed_load_as_its_blocks(monkeypatch):
         def transfer_results(self, finished):
             return set(), {"a", "b"}, {"b"}
 
+        def wait_for_landing(self):
+            pass
+
     connector = object.__new__(NeuronDisaggConnector)
     connector.worker_side, connector._step, connector._connector_metadata = Worker(), StepClock(), None
     connector._failed_blocks = set()
