@@ -160,7 +160,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Worker, each step (vLLM 0.32+): requests whose blocks the threads released, loaded, or
-        failed to load (those also count as received; vLLM's kv_load_failure_policy applies)."""
+        failed to load (those also count as received; vLLM's kv_load_failure_policy applies). In a
+        step that computes nothing, KV in flight is first waited for briefly (``landing_wait_s``)."""
         sending, recving, failed = self._results(finished_req_ids)
         return compat.transfer_results(sending, recving, failed)
 
