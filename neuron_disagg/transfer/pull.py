@@ -75,7 +75,7 @@ class PullReader(TransferThread):
 
     # -- the thread ------------------------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.reads)
+        return self.expecting_a_landing()
 
     def _offered(self, item: Offered, now: float) -> None:
         try:

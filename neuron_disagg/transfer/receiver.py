@@ -78,7 +78,7 @@ class PushReceiver(TransferThread):
 
     # -- the thread -------------------------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self._writing)
+        return self.expecting_a_landing()
 
     def _poll(self) -> None:
         for sender, frame in self.transport.notifications():
