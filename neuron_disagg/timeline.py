@@ -35,7 +35,8 @@ EVENTS = {
     "d_read_posted": "D's reader started posting the READ (pull)",
     "d_read_done": "D's reader saw the READ complete (pull)",
     "d_notified": "D's receiver got P's WriteDone (push)",
-    "d_loaded": "D's scheduler saw the KV loaded: decoding starts",
+    "d_loaded": "D's scheduler saw the KV loaded",
+    "d_scheduled": "D's scheduler scheduled the loaded request: its first step starts",
     "router_first_byte": "the router had D's first byte",
 }
 # A P with TP > 1 marks once per rank: the transfer is as early as its first arrival and as late
@@ -111,8 +112,8 @@ def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
 
 
 PUSH_SEGMENTS = ("router", "queue", "prefill", "registration_wait", "to_writer", "write", "notify",
-                 "first_token")
-PULL_SEGMENTS = ("router", "queue", "prefill", "handoff", "read", "notify", "first_token")
+                 "to_d_step", "first_token")
+PULL_SEGMENTS = ("router", "queue", "prefill", "handoff", "read", "notify", "to_d_step", "first_token")
 
 
 def breakdown(events: dict[str, float]) -> dict[str, float] | None:
@@ -121,9 +122,10 @@ def breakdown(events: dict[str, float]) -> dict[str, float] | None:
 
     push: router -> P queue -> prefill -> waiting for D's registration (0 when it came first) ->
     the next engine step handing the blocks to the writer, and posting -> the write on the wire ->
-    until D's engine sees it -> D's first step and the answer's way back.
+    until D's engine sees it -> until D's engine schedules it (``to_d_step``: vLLM's own loop, which
+    sleeps 1 ms after a step that computed nothing) -> D's first step and the answer's way back.
     pull: the same to prefill; then P's answer through the router to D's allocation (handoff) ->
-    read -> until D's engine sees it -> first step."""
+    read -> until D's engine sees it -> until it schedules it -> first step."""
     e = events
     try:
         start, end = e["router_arrived"], e["router_first_byte"]
@@ -139,7 +141,8 @@ def breakdown(events: dict[str, float]) -> dict[str, float] | None:
         else:
             tail = {"handoff": e["d_allocated"] - e["p_kv_ready"], "read": e["d_read_done"] - e["d_allocated"],
                     "notify": e["d_loaded"] - e["d_read_done"]}
-        segments = {**head, **tail, "first_token": end - e["d_loaded"]}
+        segments = {**head, **tail, "to_d_step": e["d_scheduled"] - e["d_loaded"],
+                    "first_token": end - e["d_scheduled"]}
     except KeyError:
         return None
     segments["ttft"] = end - start

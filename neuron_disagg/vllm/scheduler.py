@@ -161,6 +161,7 @@ class SchedulerSide:
         self.ended: OrderedDict[TransferId, dict[str, Any] | None] = OrderedDict()
         self.counts: Counter[str] = Counter()  # metrics (stats.COUNTS) since the last report
         self._following: dict[str, None] = {}  # P: legs followed for an early hand-off, in arrival order
+        self._first_step: dict[str, TransferId] = {}  # D, timeline on: loaded, not yet scheduled
         self.unexpected: Counter[str] = Counter()  # transitions missing from the tables (bugs)
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
@@ -225,6 +226,7 @@ class SchedulerSide:
     def _forget(self, leg: Leg) -> None:
         del self.legs[leg.request_id]
         self._stop_following(leg)
+        self._first_step.pop(leg.request_id, None)
         self._held_changed |= leg.state in HOLDING
         if self.owner.get(leg.key) == leg.request_id:
             del self.owner[leg.key]
@@ -333,9 +335,18 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> StepMetadata:
         if scheduler_output is not None and self._following:  # D's steps never walk their legs
             self._follow_prefills(scheduler_output)
+        if scheduler_output is not None and self._first_step:
+            self._mark_first_steps(scheduler_output.num_scheduled_tokens)
         step, self._step = self._step, StepMetadata()
         step.no_forward = scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
         return step
+
+    def _mark_first_steps(self, scheduled: dict[str, int]) -> None:
+        """D, timeline on: loaded requests this step schedules. From their ``d_loaded`` to here is
+        vLLM's own engine loop (after a step that computed nothing it sleeps 1 ms), which the bench
+        shows apart from D's first step."""
+        for request_id in [r for r in self._first_step if r in scheduled]:
+            self.timeline.mark(self._first_step.pop(request_id), "d_scheduled")
 
     def _follow_prefills(self, out) -> None:
         """P, push: follows the blocks of each prefill the scheduler runs, and hands them over in the
@@ -408,6 +419,8 @@ class SchedulerSide:
                 self._fire(leg, _E.LOAD_FAILED if request_id in failed else _E.LOADED)
                 if leg.state is _D.LOADED:
                     self.timeline.mark(leg.key, "d_loaded")
+                    if self.timeline.enabled:
+                        self._first_step[request_id] = leg.key
         for request_id in output.finished_sending or ():
             leg = self.legs.get(request_id)
             if leg is not None:

@@ -11,7 +11,7 @@ from neuron_disagg.timeline import Timeline
 PUSH = {"router_arrived": 100.0, "p_arrived": 100.002, "p_scheduled": 100.010, "d_arrived": 100.003,
         "d_allocated": 100.006, "p_registration": 100.008, "p_kv_ready": 100.050,
         "p_write_posted": 100.055, "d_notified": 100.070, "p_write_done": 100.072, "d_loaded": 100.080,
-        "router_first_byte": 100.100}
+        "d_scheduled": 100.082, "router_first_byte": 100.100}
 
 
 def write(tmp_path, name: str, tid: str, events: dict[str, float]) -> None:
@@ -39,6 +39,7 @@ def test_push_breakdown_from_files_of_several_processes(tmp_path):
     assert list(parts) == [*timeline.PUSH_SEGMENTS, "ttft"]
     assert parts["registration_wait"] == 0  # D registered before the prefill ended
     assert parts["prefill"] == pytest.approx(0.040) and parts["write"] == pytest.approx(0.015)
+    assert parts["to_d_step"] == pytest.approx(0.002) and parts["first_token"] == pytest.approx(0.018)
     assert sum(v for k, v in parts.items() if k != "ttft") == pytest.approx(parts["ttft"]) == pytest.approx(0.1)
     assert timeline.breakdown(loaded["b#0"]) is None
 
@@ -60,13 +61,14 @@ def test_late_registration_is_waited_for_and_ranks_reduce_to_first_and_last(tmp_
 def test_pull_breakdown_and_cut_lines(tmp_path):
     pull = {"router_arrived": 10.0, "p_arrived": 10.001, "p_scheduled": 10.002, "p_kv_ready": 10.030,
             "d_arrived": 10.035, "d_allocated": 10.040, "d_read_posted": 10.041, "d_read_done": 10.060,
-            "d_loaded": 10.065, "router_first_byte": 10.080}
+            "d_loaded": 10.065, "d_scheduled": 10.068, "router_first_byte": 10.080}
     write(tmp_path, "all", "p#0", pull)
     with open(tmp_path / "killed-1.jsonl", "ab") as f:
         f.write(b'["p#0","d_loaded",10.0')  # a process killed mid-line
     parts = timeline.breakdown(timeline.load(tmp_path)["p#0"])
     assert list(parts) == [*timeline.PULL_SEGMENTS, "ttft"]
     assert parts["handoff"] == pytest.approx(0.010) and parts["read"] == pytest.approx(0.020)
+    assert parts["to_d_step"] == pytest.approx(0.003)
     assert parts["ttft"] == pytest.approx(0.080)
 
 

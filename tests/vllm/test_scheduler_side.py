@@ -445,3 +445,31 @@ def test_each_step_tells_the_workers_whether_it_runs_a_forward():
     assert d.build_connector_meta(step()).no_forward
     assert not d.build_connector_meta(step(scheduled={"r": 1})).no_forward
     assert not d.build_connector_meta(None).no_forward
+
+
+@pytest.mark.parametrize("ends_first", [False, True], ids=["scheduled", "aborted-before"])
+def test_the_timeline_marks_a_loaded_requests_first_step_once(tmp_path, ends_first):
+    """``d_scheduled``: from ``d_loaded`` to it is vLLM's own loop, which the bench shows apart."""
+    import json
+
+    from neuron_disagg.timeline import Timeline
+
+    d = SchedulerSide(BLOCK, SIGNER, timeline=Timeline(tmp_path, "decode-scheduler"))
+    loaded, waiting = request("0", A, PUSH_D), request("1", B, PUSH_D)
+    for r, ids in ((loaded, (5, 6, 7)), (waiting, (8, 9))):
+        d.get_num_new_matched_tokens(r, 0)
+        d.update_state_after_alloc(r, blocks(*ids), len(r.prompt_token_ids))
+    d.build_connector_meta(step(scheduled={"1": 1}))  # a request not loaded: not marked
+    d.update_connector_output(output(recving={"0"}))
+    d.build_connector_meta(step())  # scheduled nothing: vLLM's loop has not taken it yet
+    if ends_first:
+        d.request_finished(loaded, [5, 6, 7])
+    d.build_connector_meta(step(scheduled={"0": 1}))
+    d.build_connector_meta(step(scheduled={"0": 1}))  # its second step is not its first
+    d.timeline.close()
+    (written,) = tmp_path.iterdir()
+    marks = [json.loads(line) for line in written.read_text().splitlines()]
+    key = str(transfer_key(TransferId("req.1", 0), list(A)))
+    assert [k for k, event, _ in marks if event == "d_loaded"] == [key]
+    assert [k for k, event, _ in marks if event == "d_scheduled"] == ([] if ends_first else [key])
+    assert not d._first_step  # nothing kept for a request that ended
