@@ -55,7 +55,8 @@ def test_files_written(tmp_path):
 def test_breakdown_takes_only_the_runs_own_requests(tmp_path):
     t = Timeline(tmp_path, "all")
     base = {"p_arrived": 0.001, "p_scheduled": 0.002, "p_kv_ready": 0.010, "p_registration": 0.003,
-            "p_write_posted": 0.012, "d_notified": 0.013, "d_loaded": 0.015, "router_first_byte": 0.020}
+            "p_write_posted": 0.012, "d_notified": 0.013, "d_loaded": 0.015, "d_scheduled": 0.016,
+            "router_first_byte": 0.020}
     for tid, start in (("inside#0", 100.0), ("inside2#0", 101.0), ("before#0", 90.0)):
         t.mark(tid, "router_arrived", start)
         for event, offset in base.items():
