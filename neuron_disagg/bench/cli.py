@@ -1,7 +1,8 @@
 """`neuron-disagg bench`: monolithic vLLM, our push, our pull and vLLM's own NixlPushConnector and
 NixlConnector, started locally one topology at a time and loaded with `vllm bench serve` over a grid
 of request rates x input lengths; writes JSON, Markdown and PNG plots to a results directory and
-prints each mode's ratio to the reference connector (vLLM's NixlConnector) and to monolithic.
+prints each mode's ratio to the reference connector (vLLM's NixlConnector) and to monolithic, and
+how far monolithic moved between the run's start and its end (the drift line).
 
 Defaults fit a 2-core CPU machine (the tiny local model, a few minutes). On real hardware pass the
 model, TP and the published workload, e.g. ``--model Qwen/Qwen3-32B --tp 8 --input-lens 16384
@@ -63,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
                    help="per topology, measure each instance's CPU over this long with nothing to do (0: skip)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured pass per mode that absorbs kernel selection and NIXL handshakes")
+    p.add_argument("--no-drift-check", action="store_true",
+                   help="skip measuring monolithic again after the other topologies (the topologies run one "
+                        "after another, and the machine's speed may move meanwhile: the drift line says how far)")
     return p
 
 
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     results: list[RunResult] = []
-    points = len(args.modes) * len(loads)
+    recheck = not args.no_drift_check and "monolithic" in args.modes and len(groups(args.modes)) > 1
+    points = (len(args.modes) + recheck) * len(loads)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("starting", total=points)
@@ -110,12 +115,30 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts,
                                                  error=f"did not start: {str(exc).splitlines()[0]}"))
                         progress.advance(task)
+        again = _measure_again(server, loads, model, raw_dir, not args.no_warmup, progress, task) if recheck else []
+    if again:
+        meta["drift"] = report.drift(results, again)
     written = report.write(results, meta, out_dir)
     _print(console, results)
     if meta.get("idle_cpu_percent"):
         console.print(report.idle_line(meta["idle_cpu_percent"], args.idle_seconds))
+    if meta.get("drift"):
+        console.print(report.drift_line(meta["drift"]))
     console.print("\n" + "\n".join(f"wrote {p}" for p in written))
-    return 0 if all(r.error is None and r.failed == 0 for r in results) else 1
+    return 0 if all(r.error is None and r.failed == 0 for r in results + again) else 1
+
+
+def _measure_again(server, loads, model, raw_dir, warmup, progress, task) -> list[RunResult]:
+    """Monolithic once more, after every other topology: its points against the first ones say how
+    far the machine's speed moved during the run."""
+    progress.update(task, description="starting monolithic again (drift)")
+    try:
+        with started(("monolithic",), server) as topo:
+            return _measure(("monolithic",), topo, loads, model, raw_dir / "again", warmup, progress, task)
+    except (RuntimeError, TimeoutError) as exc:
+        error = f"did not start: {str(exc).splitlines()[0]}"
+        return [RunResult("monolithic", load.rate, load.input_len, load.output_len, load.prompts, error=error)
+                for load in loads]
 
 
 def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list[RunResult]:

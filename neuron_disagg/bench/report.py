@@ -67,6 +67,36 @@ def table(results: list[RunResult]) -> list[list[str]]:
     return [header, *body]
 
 
+def drift(first: list[RunResult], again: list[RunResult]) -> list[dict]:
+    """Monolithic at the run's start and again at its end, point by point: how far this machine's
+    speed moved while the topologies ran one after another (``meta["drift"]``)."""
+    out = []
+    for r in again:
+        before = _find(first, "monolithic", r.rate, r.input_len)
+        if before is not None:
+            out.append({"rate": r.rate, "input_len": r.input_len, "error": r.error,
+                        "ttft_p50_ms": [before.ttft_p50_ms, r.ttft_p50_ms],
+                        "tpot_p50_ms": [before.tpot_p50_ms, r.tpot_p50_ms],
+                        "ttft_p50_ratio": ratio(r.ttft_p50_ms, before.ttft_p50_ms),
+                        "tpot_p50_ratio": ratio(r.tpot_p50_ms, before.tpot_p50_ms)})
+    return out
+
+
+def drift_line(points: list[dict]) -> str:
+    """``meta["drift"]`` in words: ratios between modes closer than this are within the run's noise."""
+    parts = []
+    for d in points:
+        where = f"{d['rate']} req/s in {d['input_len']}"
+        if d["error"]:
+            parts.append(f"{where}: not measured again ({d['error'].splitlines()[0]})")
+            continue
+        (t0, t1), (p0, p1) = d["ttft_p50_ms"], d["tpot_p50_ms"]
+        parts.append(f"{where}: TTFT p50 {_fmt(t0)} -> {_fmt(t1)} ms ({_fmt(d['ttft_p50_ratio'], 2)}x), "
+                     f"TPOT p50 {_fmt(p0, 1)} -> {_fmt(p1, 1)} ms ({_fmt(d['tpot_p50_ratio'], 2)}x)")
+    return ("Drift (monolithic measured first and again last; modes whose ratios differ by less than "
+            "this are within the run's drift): " + "; ".join(parts))
+
+
 def idle_line(idle: dict[str, dict[str, float]], window_s: float | None) -> str:
     """Idle CPU per instance, from ``meta["idle_cpu_percent"]`` (topology -> instance -> %)."""
     parts = [f"{topology}: " + ", ".join(f"{name} {pct:.1f}%" for name, pct in instances.items())
@@ -105,6 +135,8 @@ def markdown(results: list[RunResult], meta: dict) -> str:
         lines += ["", "## Our transfer threads' CPU while loaded", ""] + [f"- {thread_line(r)}" for r in threads]
     if meta.get("idle_cpu_percent"):
         lines += ["", idle_line(meta["idle_cpu_percent"], meta.get("idle_seconds"))]
+    if meta.get("drift"):
+        lines += ["", drift_line(meta["drift"])]
     errors = [r for r in results if r.error]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {r.mode} at {r.rate} req/s, input {r.input_len}: {r.error}"

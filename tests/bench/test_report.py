@@ -121,3 +121,17 @@ def test_step_quantiles_come_from_the_histogram_buckets_between_two_readings():
     assert step_quantile_us(before, after, 0.5) == 10.0      # 100 of the 200 new steps took <= 10 us
     assert step_quantile_us(before, after, 0.99) == 500.0    # 196 <= 100 us is short of 198
     assert step_quantile_us(before, before, 0.5) is None
+
+
+def test_drift_compares_monolithic_at_the_runs_start_and_end_point_by_point(tmp_path):
+    again = [result("monolithic", 1.0, 110.0, 9.0), result("monolithic", 2.0, 0.0, error="did not start: boom")]
+    drift = report.drift(RESULTS, again)
+    assert drift[0]["ttft_p50_ms"] == [100.0, 110.0] and drift[0]["ttft_p50_ratio"] == 1.1
+    assert drift[0]["tpot_p50_ratio"] == 0.9
+    assert len(drift) == 1  # RESULTS measured monolithic at 1 req/s only: nothing to compare at 2
+    line = report.drift_line(drift + [{**drift[0], "rate": 4.0, "error": "did not start: boom"}])
+    assert "1.0 req/s in 512: TTFT p50 100 -> 110 ms (1.10x), TPOT p50 10.0 -> 9.0 ms (0.90x)" in line
+    assert "4.0 req/s in 512: not measured again (did not start: boom)" in line
+    report.write(RESULTS, {"drift": drift}, tmp_path)
+    assert report.drift_line(drift) in (tmp_path / "results.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["drift"] == drift
