@@ -82,6 +82,7 @@ def handoff_us(n: int) -> float:
 
     from neuron_disagg.protocol import ProducerCore, TransferId, WireCodec
     from neuron_disagg.protocol.geometry import QWEN3_32B, rank_regions
+    from neuron_disagg.transfer.outbox import Outbox
     from neuron_disagg.transfer.peers import Peers
     from neuron_disagg.transfer.side_channel import SideChannelClient
     from neuron_disagg.transfer.transport import InMemoryTransport
@@ -90,7 +91,7 @@ def handoff_us(n: int) -> float:
     codec = WireCodec(os.urandom(32))
     transport = InMemoryTransport("handoff")
     writer = PushWriter(ProducerCore(rank_regions(QWEN3_32B, BLOCKS + 1, 0, 8)), transport, codec,
-                        Peers(transport, SideChannelClient(codec), "127.0.0.1:1", "bench"), lambda *a: None).start()
+                        Peers(transport, SideChannelClient(codec), "127.0.0.1:1", "bench"), Outbox()).start()
     blocks = tuple(range(1, BLOCKS + 1))
     times = []
     for i in range(n):

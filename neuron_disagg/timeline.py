@@ -21,6 +21,8 @@ from typing import IO
 
 import msgspec
 
+from .protocol.messages import TransferId
+
 log = logging.getLogger(__name__)
 EVENTS = {
     "router_arrived": "the router received the client's request",
@@ -60,11 +62,15 @@ class Timeline:
     def enabled(self) -> bool:
         return self.directory is not None
 
-    def mark(self, transfer_id: object, event: str, at: float | None = None) -> None:
-        """Never raises: a timeline that cannot be written (a full disk, a removed directory) turns
-        itself off with one warning, since the transfer threads and the engine loop mark it."""
+    def mark(self, transfer_id: TransferId | str, event: str, at: float | None = None) -> None:
+        """Marks the router's transfer id (one prompt's transfer is its request's: the timeline is
+        per request). Never raises: a timeline that cannot be written (a full disk, a removed
+        directory) turns itself off with one warning, since the transfer threads and the engine
+        loop mark it."""
         if self.directory is None:
             return
+        if isinstance(transfer_id, TransferId):
+            transfer_id = transfer_id.router_attempt()
         line = self._encode([str(transfer_id), event, time.time() if at is None else at]) + b"\n"
         with self._lock:
             try:
@@ -86,13 +92,6 @@ class Timeline:
 OFF = Timeline(None, "off")
 
 
-def request_transfer(transfer_id: str) -> str:
-    """The router's transfer id of a connector's per-prompt one (``<request>/<prompt digest>#<n>``,
-    see vllm/scheduler.py): a request's events are one timeline whatever its prompts."""
-    request, sep, attempt = transfer_id.rpartition("#")
-    return f"{request.split('/', 1)[0]}#{attempt}" if sep else transfer_id
-
-
 def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
     """Every transfer's events from every file in ``directory``, per router transfer id (a request
     of several prompts is one); unreadable lines are skipped."""
@@ -104,7 +103,7 @@ def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
                 tid, event, at = decode(raw)
             except msgspec.DecodeError:
                 continue  # a line cut short by a killed process
-            events = transfers.setdefault(request_transfer(tid), {})
+            events = transfers.setdefault(tid, {})
             seen = events.get(event)
             if seen is None or (at < seen if event in _EARLIEST else at > seen):
                 events[event] = at

@@ -92,15 +92,11 @@ def rank_main(spec: dict, conn) -> None:
     from neuron_disagg.platforms.fence import ReadyFence
     from neuron_disagg.platforms.kv_layout import VLLM_LAYER_VIEW, KVGeometry, regions_from_kv_caches
     from neuron_disagg.protocol import (
-        AgentInfo, AgentInfoRequest, ConsumerCore, ConsumerTimeouts, ProducerCore, ProducerTimeouts, RankRegions,
-        Registration, TransferId, WireCodec,
+        ConsumerTimeouts, ProducerTimeouts, RankRegions, Registration, TransferId, WireCodec,
     )
     from neuron_disagg.protocol.plan import rank_heads
-    from neuron_disagg.transfer.peers import Peers
-    from neuron_disagg.transfer.receiver import PushReceiver
-    from neuron_disagg.transfer.side_channel import SideChannelClient, SideChannelServer
-    from neuron_disagg.transfer.transport import NixlTransport, region_spans
-    from neuron_disagg.transfer.writer import PushWriter
+    from neuron_disagg.transfer.outbox import Failed, Loaded
+    from neuron_disagg.transfer.rank import Rank, RankTimeouts
 
     role, rank, tp, dry = spec["role"], spec["rank"], spec["tp"], spec["dry_run"]
     platform, reason = select_platform("cpu" if dry else "auto")
@@ -112,31 +108,17 @@ def rank_main(spec: dict, conn) -> None:
                                      KVGeometry(TOKENS, rank, tp, TOTAL_HEADS))
     platform.use_kv_device(device)
     device_queue = DeviceQueue(torch, device, platform)
-    codec = WireCodec(bytes.fromhex(spec["secret"]))
     agent = f"{role}{rank}-{os.getpid()}"
-    transport = NixlTransport(agent, "UCX", platform.memory_type)
-    transport.register(regions)
     address = f"127.0.0.1:{spec['port']}"
-    peers = Peers(transport, SideChannelClient(codec), address, agent)
-    events: queue.Queue = queue.Queue()
-    if role == "prefill":
-        core = ProducerCore(regions, rank, tp, ProducerTimeouts(30, 10, 60, 0.5, 60), total_heads=TOTAL_HEADS)
-        thread = PushWriter(core, transport, codec, peers, lambda tid, blocks: events.put(("free", tid)))
-    else:
-        core = ConsumerCore(address, rank, tp, ConsumerTimeouts(60, 60, 1, 10, 0.5, 60), total_heads=TOTAL_HEADS)
-        thread = PushReceiver(core, transport, codec, peers, lambda tid: events.put(("loaded", tid)),
-                              lambda tid, why: events.put(("failed", tid, why)), lambda tid, blocks: None)
-
-    def on_message(message):
-        if isinstance(message, AgentInfoRequest):
-            return AgentInfo(rank, agent, transport.metadata(), tuple((s.addr, s.length) for s in region_spans(regions)))
-        thread.deliver(message)
-        return None
-
-    server = SideChannelServer("127.0.0.1", spec["port"] + rank, codec, on_message, agent).start()
-    thread.start()
+    # The rank as the connector's worker assembles it: two agents, both of the role's threads.
+    timeouts = RankTimeouts(producer=ProducerTimeouts(30, 10, 60, 0.5, 60),
+                            consumer=ConsumerTimeouts(60, 60, 1, 10, 0.5, 60))
+    node = Rank(role, rank, tp, regions, codec=WireCodec(bytes.fromhex(spec["secret"])), agent_name=agent,
+                side_channel_host="127.0.0.1", side_channel_port=spec["port"], advertised=address,
+                timeouts=timeouts, memory_type=platform.memory_type, total_heads=TOTAL_HEADS).start()
+    thread = node.push
     conn.send({"platform": platform.name, "reason": reason, "memory": platform.memory_type,
-               "backends": transport.loaded_backends(), "device": str(device)})
+               "backends": node.target.loaded_backends(), "device": str(device)})
 
     def blocks_of(layer: int, block_ids):
         return [caches[f"model.layers.{layer}.self_attn.attn"][b] for b in block_ids]  # (heads, tokens, K|V)
@@ -170,12 +152,13 @@ def rank_main(spec: dict, conn) -> None:
             thread.allocated(Registration(tid, agent, f"d-{tid.request}", address, tp,
                                           (RankRegions(rank, agent, regions),), tuple(cmd["blocks"]), 0, 0.0), fence)
             conn.send({})
-        elif op == "wait":
-            try:
-                event = events.get(timeout=cmd["within_s"])
-            except queue.Empty:
-                event = ("timeout",)
-            conn.send({"event": [str(x) for x in event]})
+        elif op == "wait":  # D: the first load or failure reported within the bound
+            deadline, event = time.monotonic() + cmd["within_s"], None
+            while event is None and time.monotonic() < deadline:
+                for result in node.outbox.take(deadline - time.monotonic()):
+                    if event is None and isinstance(result, (Loaded, Failed)):
+                        event = (type(result).__name__.lower(), result.transfer_id, getattr(result, "reason", ""))
+            conn.send({"event": [str(x) for x in event or ("timeout",)]})
         elif op == "check":  # D's blocks, through the layer views, against P's KV for our heads
             device_queue.synchronize()
             wrong = 0
@@ -185,9 +168,7 @@ def rank_main(spec: dict, conn) -> None:
                     wrong += not torch.equal(view.cpu(), want[:, i * TOKENS:(i + 1) * TOKENS])
             conn.send({"wrong_blocks": wrong, "of": LAYERS * len(cmd["blocks"])})
         elif op == "stop":
-            thread.shutdown()
-            server.close()
-            transport.close()
+            node.shutdown()
             conn.send({})
             return
 

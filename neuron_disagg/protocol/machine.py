@@ -90,8 +90,8 @@ class StateMachine(Generic[S, E, F, EntryT]):
         self.strict = strict
         self._tombstone_s = tombstone_s
         self._now = float("-inf")
-        self._latest_attempt: dict[str, int] = {}
-        self._attempts: dict[str, set[TransferId]] = {}  # request -> its attempts we hold
+        self._latest_attempt: dict[tuple[str, str], int] = {}
+        self._attempts: dict[tuple[str, str], set[TransferId]] = {}  # lineage -> its attempts we hold
         self._withdrawn: dict[TransferId, float] = {}      # router attempts no D takes -> when told
 
     # -- time ------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ class StateMachine(Generic[S, E, F, EntryT]):
                 return None
             entry = self._new_entry(transfer_id, step.now)
             self.entries[transfer_id] = entry
-            self._attempts.setdefault(transfer_id.request, set()).add(transfer_id)
+            self._attempts.setdefault(transfer_id.lineage, set()).add(transfer_id)
         self._supersede(entry, step)
         self._expire_if_due(entry, step)
         return entry
@@ -119,14 +119,14 @@ class StateMachine(Generic[S, E, F, EntryT]):
     def _supersede(self, entry: EntryT, step: Step) -> None:
         """A newer attempt of the same request supersedes every older one (invariant I1)."""
         tid = entry.transfer_id
-        latest = self._latest_attempt.get(tid.request, -1)
+        latest = self._latest_attempt.get(tid.lineage, -1)
         if tid.attempt < latest:
             if entry.state not in self.TERMINAL:
                 self._fire(entry, self.SUPERSEDED, step)
             return
         if tid.attempt > latest:
-            self._latest_attempt[tid.request] = tid.attempt
-            for other_id in self._attempts.get(tid.request, ()):
+            self._latest_attempt[tid.lineage] = tid.attempt
+            for other_id in self._attempts.get(tid.lineage, ()):
                 other = self.entries[other_id]
                 if tid.supersedes(other_id) and other.state not in self.TERMINAL:
                     self._fire(other, self.SUPERSEDED, Step(step.now, actions=step.actions))
@@ -202,11 +202,11 @@ class StateMachine(Generic[S, E, F, EntryT]):
 
     def _forget(self, transfer_id: TransferId) -> None:
         del self.entries[transfer_id]
-        attempts = self._attempts[transfer_id.request]
+        attempts = self._attempts[transfer_id.lineage]
         attempts.discard(transfer_id)
         if not attempts:
-            del self._attempts[transfer_id.request]
-            self._latest_attempt.pop(transfer_id.request, None)
+            del self._attempts[transfer_id.lineage]
+            self._latest_attempt.pop(transfer_id.lineage, None)
 
     # -- introspection ---------------------------------------------------------------------------
     def state_of(self, transfer_id: TransferId):

@@ -21,22 +21,29 @@ class TransferId(msgspec.Struct, frozen=True, array_like=True):
     """Names one attempt to move one request's KV from P to D.
 
     ``request`` is the router's request id, shared by both legs. A retry of the same request gets
-    ``attempt + 1`` and supersedes every older attempt on both sides (invariant I1).
+    ``attempt + 1`` and supersedes every older attempt on both sides (invariant I1). The connector
+    moves each prompt of a request as its own transfer (a prompt list, ``n`` > 1 samples of one
+    prompt share one): ``prompt`` names it, a digest of its tokens; the router's own ids have none.
     """
 
     request: str
     attempt: int = 0
+    prompt: str = ""
 
     def __str__(self) -> str:
-        return f"{self.request}#{self.attempt}"
+        return f"{self.request}/{self.prompt}#{self.attempt}" if self.prompt else f"{self.request}#{self.attempt}"
+
+    @property
+    def lineage(self) -> tuple[str, str]:
+        """What the attempts of one transfer share: a newer attempt supersedes the older ones."""
+        return (self.request, self.prompt)
 
     def supersedes(self, other: "TransferId") -> bool:
-        return self.request == other.request and self.attempt > other.attempt
+        return self.lineage == other.lineage and self.attempt > other.attempt
 
     def router_attempt(self) -> "TransferId":
-        """The router's transfer id this one belongs to: the connector names each engine request's
-        transfer ``f"{router request}/{prompt digest}"`` (the router's ids never hold a "/")."""
-        return TransferId(self.request.partition("/")[0], self.attempt)
+        """The router's transfer id this one belongs to (itself, for one of the router's own)."""
+        return TransferId(self.request, self.attempt)
 
 
 class Region(msgspec.Struct, frozen=True):

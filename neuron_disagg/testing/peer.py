@@ -1,8 +1,9 @@
 """A stand-alone P or D rank with KV-shaped host memory, driven by JSON lines on stdin.
 
 ``python -m neuron_disagg.testing.peer --role prefill|decode`` builds block-major regions for a
-small model shape in one numpy buffer, registers them with a real transport, starts the side
-channel and the push writer (P) or receiver (D), then answers commands:
+small model shape in one numpy buffer and runs a rank on them exactly as the connector's worker
+does (``transfer.rank.Rank``: two agents over a real transport, the side channel, the role's push
+and pull threads), then answers commands for the thread of its ``--mode``:
 
   {"op": "fill", "blocks": [..], "seed": n}            P: write a known pattern into blocks
   {"op": "digest", "blocks": [..]}                      sha256 of each block (all layers, K and V)
@@ -34,22 +35,16 @@ import time
 import numpy as np
 
 from ..config import Config
-from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
+from ..protocol.consumer import ConsumerTimeouts
 from ..protocol.geometry import QWEN3_32B, ModelShape, rank_regions, regions_bytes
-from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, PullOffer, RankRegions, ReadFailed,
-    Registration, TransferId, WriteDone, WriteFailed, WriteStarting,
-)
-from ..protocol.lender import LenderCore, LenderTimeouts
-from ..protocol.reader import ReaderCore, ReaderTimeouts
-from ..protocol.producer import ProducerCore, ProducerTimeouts
+from ..protocol.lender import LenderTimeouts
+from ..protocol.messages import PullOffer, RankRegions, Registration, TransferId
+from ..protocol.producer import ProducerTimeouts
+from ..protocol.reader import ReaderTimeouts
 from ..protocol.wire import WireCodec
-from ..transfer.peers import Peers
-from ..transfer.pull import PullLender, PullReader
-from ..transfer.receiver import PushReceiver
-from ..transfer.side_channel import SideChannelClient, SideChannelServer
-from ..transfer.transport import InMemoryTransport, NixlTransport, region_spans
-from ..transfer.writer import PushWriter
+from ..transfer.outbox import Failed, Freed, Loaded
+from ..transfer.rank import Rank, RankTimeouts
+from ..transfer.transport import InMemoryTransport, NixlTransport
 
 EVENTS = sys.stdout
 _instances = itertools.count()
@@ -59,8 +54,11 @@ SHAPES = {"small": (SHAPE, 1), "qwen3-32b-tp8": (QWEN3_32B, 8)}
 
 
 class Peer:
+    """One rank (``transfer.rank.Rank``, as the connector's worker builds it: two agents, both of the
+    role's threads) over host memory; ``--mode`` says which thread the commands drive."""
+
     def __init__(self, args, emit=None):
-        self.role = args.role
+        self.role, self.mode, self.lease_s = args.role, args.mode, args.lease_s
         self._emit = emit
         self.codec = WireCodec(Config().load_secret())
         shape, shape_tp = SHAPES[args.shape]
@@ -72,37 +70,28 @@ class Peer:
         layout_tp = args.tp_size or shape_tp
         self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, rank, layout_tp)), dtype=np.uint8)
         self.regions = rank_regions(shape, args.blocks, rank, layout_tp, base_addr=self.buffer.ctypes.data)
-        self.rank, self.tp = rank, tp
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
-        self.transport = (NixlTransport(self.agent, args.backend) if args.transport == "nixl"
-                          else InMemoryTransport(self.agent))
-        self.transport.register(self.regions)
+        timeouts = RankTimeouts(
+            producer=ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60),
+            consumer=ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60),
+            lender=LenderTimeouts(args.max_write_s, 0.2), reader=ReaderTimeouts(args.max_write_s))
+        self.rank = Rank(
+            args.role, rank, tp, self.regions, codec=self.codec, agent_name=self.agent,
+            side_channel_host="127.0.0.1", side_channel_port=args.port,
+            advertised=f"127.0.0.1:{args.port}" if args.port else None, timeouts=timeouts, backend=args.backend,
+            transport=NixlTransport if args.transport == "nixl" else InMemoryTransport,
+            merge_descriptors=not args.no_merge)
+        self.address, self.server = self.rank.address, self.rank.server
+        self.thread = self.rank.push if self.mode == "push" else self.rank.pull  # what the commands drive
+        self.core = self.thread.core
+        self.transport = self.thread.transport
         self.outstanding: dict[TransferId, tuple[int, ...]] = {}  # blocks lent to a transfer
         self.allocated_at: dict[TransferId, float] = {}
         self._out = threading.Lock()
-        port = args.port + rank if args.port else 0
-        self.server = SideChannelServer("127.0.0.1", port, self.codec, self.on_message, args.role)
-        self.address = f"127.0.0.1:{args.port}" if args.port else self.server.address
-        peers = Peers(self.transport, SideChannelClient(self.codec), self.address, args.role)
-        self.mode, self.lease_s = args.mode, args.lease_s
-        if self.role == "prefill" and self.mode == "pull":
-            self.core = LenderCore(0, 1, LenderTimeouts(args.max_write_s, 0.2))
-            self.thread = PullLender(self.core, self.transport, self.codec, peers, self.freed)
-        elif self.role == "decode" and self.mode == "pull":
-            self.core = ReaderCore(0, 1, ReaderTimeouts(args.max_write_s))
-            self.thread = PullReader(self.core, self.transport, self.codec, peers, self.loaded,
-                                     self.failed, self.freed)
-        elif self.role == "prefill":
-            t = ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60)
-            self.core = ProducerCore(self.regions, rank, tp, t, merge_descriptors=not args.no_merge)
-            self.thread = PushWriter(self.core, self.transport, self.codec, peers, self.freed)
-        else:
-            t = ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60)
-            self.core = ConsumerCore(self.address, rank, tp, t)
-            self.thread = PushReceiver(self.core, self.transport, self.codec, peers, self.loaded,
-                                       self.failed, self.freed)
-        self.thread.start()
-        self.server.start()
+        self._reporting = True
+        self.rank.start()
+        self._reporter = threading.Thread(target=self._report, name="peer-reporter", daemon=True)
+        self._reporter.start()
 
     # -- events out -------------------------------------------------------------------------------------
     def emit(self, obj) -> None:
@@ -112,29 +101,24 @@ class Peer:
             EVENTS.write(json.dumps(obj) + "\n")
             EVENTS.flush()
 
-    def freed(self, tid, blocks):
-        self.outstanding.pop(tid, None)
-        self.emit({"event": "free", "tid": [tid.request, tid.attempt], "blocks": list(blocks)})
+    def _report(self) -> None:
+        """The rank's results as events, as they come (the engine would drain them each step)."""
+        while self._reporting:
+            self._events(self.rank.outbox.take(0.2))
 
-    def loaded(self, tid):
-        self.outstanding.pop(tid, None)  # handed to decode: the engine owns them now
-        started = self.allocated_at.pop(tid, None)
-        latency = None if started is None else (time.perf_counter() - started) * 1e3
-        self.emit({"event": "loaded", "tid": [tid.request, tid.attempt], "ms_since_allocate": latency})
-
-    def failed(self, tid, reason):
-        self.emit({"event": "failed", "tid": [tid.request, tid.attempt], "reason": reason})
-
-    # -- messages in ------------------------------------------------------------------------------------
-    def on_message(self, message):
-        if isinstance(message, AgentInfoRequest):  # the agent as it is now: a reset renames it
-            return AgentInfo(self.rank, self.transport.name, self.transport.metadata(),
-                             tuple((span.addr, span.length) for span in region_spans(self.regions)))
-        wanted = {("prefill", "push"): (Registration, Heartbeat, Cancel), ("prefill", "pull"): (ReadFailed,),
-                  ("decode", "push"): (WriteStarting, WriteDone, WriteFailed, CancelAck), ("decode", "pull"): ()}[(self.role, self.mode)]
-        if isinstance(message, wanted):
-            self.thread.deliver(message)
-        return None
+    def _events(self, results) -> None:
+        for result in results:
+            tid = [result.transfer_id.request, result.transfer_id.attempt]
+            if isinstance(result, Freed):
+                self.outstanding.pop(result.transfer_id, None)
+                self.emit({"event": "free", "tid": tid, "blocks": list(result.block_ids)})
+            elif isinstance(result, Loaded):
+                self.outstanding.pop(result.transfer_id, None)  # handed to decode: the engine owns them now
+                started = self.allocated_at.pop(result.transfer_id, None)
+                latency = None if started is None else (time.perf_counter() - started) * 1e3
+                self.emit({"event": "loaded", "tid": tid, "ms_since_allocate": latency})
+            elif isinstance(result, Failed):
+                self.emit({"event": "failed", "tid": tid, "reason": result.reason})
 
     def _inflight(self):
         for name in ("writes", "reads"):
@@ -166,24 +150,25 @@ class Peer:
         if op == "allocate":
             self.allocated_at[tid] = time.perf_counter()
         if op == "kv_ready":
-            self.thread.kv_ready(tid, tuple(cmd["blocks"]))
+            self.rank.push.kv_ready(tid, tuple(cmd["blocks"]))
         elif op == "kv_coming":  # push, P: the blocks the prefill's last forward is about to fill
             self.thread.kv_coming(tid, tuple(cmd["blocks"]))
         elif op == "expect":
             self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
         elif op == "lend":  # pull, P: hold the blocks and return the signed offer for the router
-            offer = PullOffer(tid, self.agent, self.address, 1, (RankRegions(0, self.agent, self.regions),),
+            offer = PullOffer(tid, self.agent, self.address, 1, (RankRegions(self.rank.tp_rank, self.agent, self.regions),),
                               tuple(cmd["blocks"]), time.time() + self.lease_s, time.time())
             self.thread.lend(offer)
             return {"offer": base64.b64encode(self.codec.encode(offer)).decode()}
         elif op == "offered":  # pull, D: the decode leg arrived with P's offer
             self.thread.offered(tid, (base64.b64decode(cmd["offer"]),))
         elif op == "allocate" and self.mode == "pull":
-            self.thread.allocated(tid, RankRegions(0, self.agent, self.regions), tuple(cmd["blocks"]),
+            self.thread.allocated(tid, RankRegions(self.rank.tp_rank, self.agent, self.regions), tuple(cmd["blocks"]),
                                   cmd.get("first", 0))
         elif op == "allocate":
             self.thread.allocated(Registration(
-                tid, self.agent, f"d-{tid}", self.address, self.tp, (RankRegions(self.rank, self.agent, self.regions),),
+                tid, self.agent, f"d-{tid}", self.address, self.rank.tp_size,
+                (RankRegions(self.rank.tp_rank, self.agent, self.regions),),
                 tuple(cmd["blocks"]), cmd.get("first", 0), 0.0))
         elif op == "abort":
             self.thread.abort(tid, cmd.get("reason", "aborted"))
@@ -192,17 +177,25 @@ class Peer:
                     "live": len(self.core.live()),
                     "outstanding_blocks": sum(len(b) for b in self.outstanding.values()),
                     "writer": dict(getattr(self.thread, "stats", {})),
-                    "agent": self.transport.name,
+                    "initiator": self.rank.initiator.name,  # "-writer"/"-reader", ".N" after N resets
                     "post_ms": [s * 1e3 for s in getattr(self._inflight(), "post_seconds", [])],
                     "transfer_ms": [s * 1e3 for s in getattr(self._inflight(), "done_seconds", [])],
                     "notifications_rejected": dict(getattr(self.thread, "rejected", {}))}
         elif op == "shutdown":
-            self.thread.shutdown()
-            self.server.close()
+            self.shutdown()
             return {"stopped": True}
         else:
             return {"error": f"unknown op {op}"}
         return {}
+
+    def shutdown(self) -> None:
+        try:
+            self.rank.shutdown()
+        finally:
+            self._reporting = False
+            self.rank.outbox.wake()
+            self._reporter.join(5)
+            self._events(self.rank.outbox.drain())  # what shutting down released
 
 
 def parser() -> argparse.ArgumentParser:
@@ -238,7 +231,7 @@ def main() -> None:
         time.time = lambda: host_time() + args.clock_offset_s
     peer = Peer(args)
     peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid(),
-               "backends": peer.transport.loaded_backends()})
+               "backends": peer.rank.target.loaded_backends()})
     for line in sys.stdin:
         cmd = json.loads(line)
         reply = peer.command(cmd)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Callable
 
 from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SubmitRead
 from ..protocol.errors import MessageError
@@ -27,6 +26,7 @@ from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Deliver, Lend, Offered, PeerReady, ReadInto
 from .inflight import InFlight, Part
+from .outbox import Failed, Freed, Loaded, Outbox
 from .peers import Peers
 from .transport import Transport
 from .thread import TransferThread
@@ -36,11 +36,9 @@ log = logging.getLogger(__name__)
 
 class PullReader(TransferThread):
     def __init__(self, core: ReaderCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_loaded: Callable[[TransferId], None], on_failed: Callable[[TransferId, str], None],
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+                 outbox: Outbox, **intervals: float):
         super().__init__(f"neuron-disagg-pull-reader-{core.tp_rank}", peers, **intervals)
-        self.core, self.transport, self.codec = core, transport, codec
-        self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
+        self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()  # offers whose frames failed verification, by reason
         self.reads = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
@@ -52,9 +50,9 @@ class PullReader(TransferThread):
             PeerReady: self._peer_ready})
         self._performers.update({
             SubmitRead: self._submit, AbortRead: lambda a: self.reads.release(a.transfer_id),
-            FinishLoad: lambda a: self.on_loaded(a.transfer_id),
+            FinishLoad: lambda a: self.outbox.put(Loaded(a.transfer_id)),
             FailTransfer: self._failed,
-            FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids)})
+            FreeBlocks: lambda a: self.outbox.put(Freed(a.transfer_id, a.block_ids))})
 
     # -- engine side: queue puts only ---------------------------------------------------------------
     def offered(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> None:
@@ -85,7 +83,7 @@ class PullReader(TransferThread):
             # straight back (ReaderCore.allocated), and the request fails with this reason.
             self.rejected[exc.reason] += 1
             log.warning("transfer %s: prefill's offer rejected: %s", item.transfer_id, exc)
-            self.on_failed(item.transfer_id, f"offer rejected: {exc}")
+            self.outbox.put(Failed(item.transfer_id, f"offer rejected: {exc}"))
             return
         self._perform(self.core.offered(offer, now))
 
@@ -124,7 +122,7 @@ class PullReader(TransferThread):
     def _failed(self, action: FailTransfer) -> None:
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
         self.stats["failed"] += 1
-        self.on_failed(action.transfer_id, action.reason)
+        self.outbox.put(Failed(action.transfer_id, action.reason))
 
     def _submit(self, submit: SubmitRead) -> None:
         self.stats["reads"] += 1
@@ -145,10 +143,9 @@ class PullReader(TransferThread):
 class PullLender(TransferThread):
     idle_progress_s = 0.25  # D reads from our agent: it must progress even with nothing live here
     def __init__(self, core: LenderCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], **intervals: float):
+                 outbox: Outbox, **intervals: float):
         super().__init__(f"neuron-disagg-pull-lender-{core.tp_rank}", peers, **intervals)
-        self.core, self.transport, self.codec = core, transport, codec
-        self.on_free = on_free
+        self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self._handlers.update({
@@ -156,7 +153,7 @@ class PullLender(TransferThread):
             Deliver: self._message,
             Abort: lambda item, now: self._perform(self.core.abort(item.transfer_id, item.reason, now))})
         self._performers.update({
-            FreeBlocks: lambda a: self.on_free(a.transfer_id, a.block_ids),
+            FreeBlocks: lambda a: self.outbox.put(Freed(a.transfer_id, a.block_ids)),
             FailTransfer: self._failed})
 
     def _message(self, item: Deliver, now: float) -> None:

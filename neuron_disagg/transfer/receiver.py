@@ -16,7 +16,6 @@ import logging
 import time
 from collections import Counter
 from msgspec.structs import replace
-from typing import Callable
 
 from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks
 from ..protocol.consumer import ConsumerCore
@@ -27,6 +26,7 @@ from ..protocol.messages import (
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Allocated, Deliver, Expect
+from .outbox import Failed, Freed, Loaded, Outbox
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
@@ -38,13 +38,9 @@ log = logging.getLogger(__name__)
 class PushReceiver(TransferThread):
     idle_progress_s = 0.25  # P writes into our agent: it must progress even with nothing live here
     def __init__(self, core: ConsumerCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_loaded: Callable[[TransferId], None],
-                 on_failed: Callable[[TransferId, str], None],
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], staging: HostStaging | None = None,
-                 **intervals: float):
+                 outbox: Outbox, staging: HostStaging | None = None, **intervals: float):
         super().__init__(f"neuron-disagg-push-receiver-{core.tp_rank}", peers, **intervals)
-        self.core, self.transport, self.codec = core, transport, codec
-        self.on_loaded, self.on_failed, self.on_free = on_loaded, on_failed, on_free
+        self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.rejected: Counter[str] = Counter()
         self.staging = staging
         # Transfers P said it is writing: only these make us poll closely for the notification. A
@@ -110,7 +106,7 @@ class PushReceiver(TransferThread):
     def _abort(self, item: Abort, now: float) -> None:
         blocks = self.staging.withdraw(item.transfer_id) if self.staging else None
         if blocks is not None:  # P never heard of these blocks: the engine may have them back
-            self.on_free(item.transfer_id, blocks)
+            self.outbox.put(Freed(item.transfer_id, blocks))
         self._perform(self.core.abort(item.transfer_id, item.reason, now))
 
     # -- host staging ---------------------------------------------------------------------------------
@@ -125,7 +121,7 @@ class PushReceiver(TransferThread):
             self.staging.take(tid, blocks, register)
         except ValueError as exc:
             self._perform(self.core.abort(tid, str(exc), time.time()))
-            self.on_free(tid, blocks)
+            self.outbox.put(Freed(tid, blocks))
 
     def _loaded(self, tid: TransferId) -> None:
         self._writing.discard(tid)
@@ -133,12 +129,12 @@ class PushReceiver(TransferThread):
         if held is not None:
             self.staging.to_device(held[1], held[0])
             self.staging.release(tid)
-        self.on_loaded(tid)
+        self.outbox.put(Loaded(tid))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         self._writing.discard(tid)
         blocks = self.staging.release(tid) if self.staging else None  # P is done with the slots
-        self.on_free(tid, block_ids if blocks is None else blocks)
+        self.outbox.put(Freed(tid, block_ids if blocks is None else blocks))
 
     def _notification(self, sender: str, frame: bytes) -> None:
         try:
@@ -160,14 +156,14 @@ class PushReceiver(TransferThread):
 
     def _failed(self, action: FailTransfer) -> None:
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
-        self.on_failed(action.transfer_id, action.reason)
+        self.outbox.put(Failed(action.transfer_id, action.reason))
 
     def _on_stop(self) -> None:
         self._abort_all("decode receiver shut down")
 
     def _abort_all(self, reason: str) -> None:
         for tid, blocks in self.staging.withdraw_all() if self.staging else ():
-            self.on_free(tid, blocks)
+            self.outbox.put(Freed(tid, blocks))
         now = time.time()
         for entry in self.core.live():
             self._perform(self.core.abort(entry.transfer_id, reason, now))

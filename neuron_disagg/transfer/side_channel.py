@@ -256,7 +256,10 @@ class SideChannelServer:
             self._wake_w.send(b"x")
         except OSError:
             pass
-        self._thread.join(timeout=2)
+        if self._thread.ident is not None:  # started (a rank that failed to start closes it unstarted)
+            self._thread.join(timeout=2)
+        else:
+            self._selector.close()
         self._sock.close()
         self._wake_r.close()
         self._wake_w.close()

@@ -82,6 +82,7 @@ def spans_cover(spans: Sequence[MemorySpan], addr: np.ndarray, length: np.ndarra
 
 class Transport(abc.ABC):
     name: str
+    memory_type: str  # what register() registers: "DRAM" or "VRAM" (NIXL's names)
     #: After a failed transfer, replace the agent (``reset``) before the next post. True where a
     #: failure can leave the agent unusable (NIXL 1.4.1's LIBFABRIC plugin, measured).
     reset_after_failure: bool = False
@@ -175,8 +176,8 @@ class InMemoryTransport(Transport):
     _agents: dict[str, "InMemoryTransport"] = {}
     _lock = threading.Lock()
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, backend: str = "memory", memory_type: str = "DRAM"):
+        self.name, self.memory_type = name, memory_type  # the signature NixlTransport has
         self.spans: list[MemorySpan] = []
         self._peers: set[str] = set()
         self._inbox: list[tuple[str, bytes]] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Callable
 
 from ..protocol.actions import AbortWrite, FailTransfer, FreeBlocks, SubmitWrite
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Withdraw, WriteStarting
@@ -24,6 +23,7 @@ from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Deliver, KvComing, KvReady, PeerReady
 from .inflight import InFlight, Part
+from .outbox import Freed, Outbox
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
@@ -34,11 +34,9 @@ log = logging.getLogger(__name__)
 
 class PushWriter(TransferThread):
     def __init__(self, core: ProducerCore, transport: Transport, codec: WireCodec, peers: Peers,
-                 on_free: Callable[[TransferId, tuple[int, ...]], None], staging: HostStaging | None = None,
-                 **intervals: float):
+                 outbox: Outbox, staging: HostStaging | None = None, **intervals: float):
         super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
-        self.core, self.transport, self.codec = core, transport, codec
-        self.on_free = on_free
+        self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.staging = staging
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
@@ -53,7 +51,7 @@ class PushWriter(TransferThread):
     # -- called from other threads: queue puts only ------------------------------------------------
     def kv_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], fence: KVFence | None = None,
                  ready_at: float | None = None) -> None:
-        """Engine: prefill of this request finished; its blocks are ours until ``on_free``. With a
+        """Engine: prefill of this request finished; its blocks are ours until we report them ``Freed``. With a
         ``fence`` (recorded by the engine, asynchronous accelerators) nothing is written before it.
         ``ready_at``: this thread marks the timeline's p_kv_ready then (a file write on the engine
         loop cost it 35-110 us a step in the bench)."""
@@ -92,7 +90,7 @@ class PushWriter(TransferThread):
     def _abort(self, item: Abort, now: float) -> None:
         blocks = self.staging.withdraw(item.transfer_id) if self.staging else None
         if blocks is not None:  # never copied: the engine's blocks go straight back
-            self.on_free(item.transfer_id, blocks)
+            self.outbox.put(Freed(item.transfer_id, blocks))
         self._perform(self.core.abort(item.transfer_id, item.reason, now))
 
     def _message(self, item: Deliver, now: float) -> None:
@@ -135,18 +133,18 @@ class PushWriter(TransferThread):
     def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
         def copy(slots: tuple[int, ...]) -> None:  # now, or when a release frees slots
             self.staging.to_host(blocks, slots)
-            self.on_free(tid, blocks)  # copied: the engine may reuse them now
+            self.outbox.put(Freed(tid, blocks))  # copied: the engine may reuse them now
             self._then(lambda: self.core.kv_ready(tid, slots, time.time()))
 
         try:
             self.staging.take(tid, blocks, copy)
         except ValueError as exc:
-            self.on_free(tid, blocks)
+            self.outbox.put(Freed(tid, blocks))
             self._then(lambda: self.core.abort(tid, str(exc), time.time()))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         if self.staging is None:
-            return self.on_free(tid, block_ids)
+            return self.outbox.put(Freed(tid, block_ids))
         self.staging.release(tid)  # the engine had its blocks back when they were copied
 
     # -- performing the core's actions ---------------------------------------------------------------
@@ -180,7 +178,7 @@ class PushWriter(TransferThread):
 
     def _fail_all(self, reason: str) -> None:
         for tid, blocks in self.staging.withdraw_all() if self.staging else ():
-            self.on_free(tid, blocks)
+            self.outbox.put(Freed(tid, blocks))
         for tid in self.writes.tids():
             self._perform(self._failed(tid, reason))
         now = time.time()

@@ -122,6 +122,18 @@ def check_runtime() -> str:
     return version
 
 
+# -- what the connector declares -------------------------------------------------------------------------
+def registers_kv_cache() -> Any:
+    """vLLM 0.34+'s ``KVCacheAccess.REGISTERS``: NIXL registers the KV cache's memory for RDMA, so each
+    segment of vLLM's extensible KV cache must be one physical allocation. None before 0.34, whose
+    ``KVConnectorBase_V1`` has no ``kv_cache_access`` to ask."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    return KVCacheAccess.REGISTERS
+
+
 # -- per-step results ----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _TransferResults:

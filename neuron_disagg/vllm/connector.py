@@ -2,7 +2,8 @@
 
 vLLM builds it twice: once in the engine-core process (``role=SCHEDULER``) and once in every worker
 process (``role=WORKER``). Each method below says which side calls it and when; the work lives in
-``scheduler.SchedulerSide`` and ``worker.WorkerSide``. Load with
+the instance's role's module — ``prefill.py`` (``kv_producer``) or ``decode.py`` (``kv_consumer``),
+each a scheduler half and a worker half — picked once, from ``kv_role``. Load with
 ``--kv-transfer-config '{"kv_connector": "NeuronDisaggConnector",
 "kv_connector_module_path": "neuron_disagg.vllm.connector", ...}'`` — ``neuron-disagg serve``
 writes that for you.
@@ -19,13 +20,15 @@ from ..config import Config
 from ..protocol.wire import WireCodec
 from ..timeline import Timeline
 from . import compat
+from .decode import DecodeScheduler, DecodeWorker
 from .metadata import RankHandshake, StepMetadata
 from .neuron_plugin import refuse_unsupported_platform
-from .scheduler import OfferMaker, SchedulerSide
+from .prefill import OfferMaker, PrefillScheduler, PrefillWorker
 from .stats import ConnectorPromMetrics, ConnectorStats, empty
-from .worker import WorkerSide
 
-_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+#: vLLM's kv_role -> (our role, its scheduler side, its worker side)
+_ROLES = {"kv_producer": ("prefill", PrefillScheduler, PrefillWorker),
+          "kv_consumer": ("decode", DecodeScheduler, DecodeWorker)}
 
 
 class StepClock:
@@ -69,23 +72,27 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
                              "or kv_consumer (decode)")
         self._step = StepClock()
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
+        self.scheduler_side: PrefillScheduler | DecodeScheduler | None = None
+        self.worker_side: PrefillWorker | DecodeWorker | None = None
         self._engine_id = transfer.engine_id
+        name, scheduler_side, worker_side = _ROLES[transfer.kv_role]
         if role == KVConnectorRole.SCHEDULER:
-            timeline = Timeline(self.config.timeline_dir, f"{_ROLES[transfer.kv_role]}-scheduler")
-            self.scheduler_side = SchedulerSide(
-                vllm_config.cache_config.block_size, self.config.params_signer(), timeline=timeline,
-                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+            timeline = Timeline(self.config.timeline_dir, f"{name}-scheduler")
+            block_size, signer = vllm_config.cache_config.block_size, self.config.params_signer()
+            if scheduler_side is PrefillScheduler:
+                async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+                self.scheduler_side = PrefillScheduler(block_size, signer, timeline=timeline,
+                                                       async_scheduling=async_scheduling)
+            else:
+                self.scheduler_side = DecodeScheduler(block_size, signer, timeline=timeline)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             model = vllm_config.model_config
-            self.worker_side = WorkerSide(self.config, _ROLES[transfer.kv_role], transfer.engine_id,
-                                          get_tensor_model_parallel_rank(),
-                                          vllm_config.parallel_config.tensor_parallel_size,
-                                          total_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
-                                          recompute=getattr(transfer, "kv_load_failure_policy", "fail") == "recompute")
+            self.worker_side = worker_side(self.config, transfer.engine_id, get_tensor_model_parallel_rank(),
+                                           vllm_config.parallel_config.tensor_parallel_size,
+                                           total_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+                                           recompute=getattr(transfer, "kv_load_failure_policy", "fail") == "recompute")
         self._failed_blocks: set[int] = set()  # vLLM < 0.32: this step's failed loads, as their blocks
 
     # -- scheduler side (engine-core process, engine loop) --------------------------------------------
@@ -110,8 +117,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         self.scheduler_side.update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
-        """Scheduler, once after start-up: every worker's agent and regions, for pull offers."""
-        if self.scheduler_side is None or not metadata:
+        """Scheduler, once after start-up: every worker's agent and regions, for P's pull offers."""
+        if not isinstance(self.scheduler_side, PrefillScheduler) or not metadata:
             return
         ranks = tuple(metadata[rank].rank_regions for rank in sorted(metadata))
         self.scheduler_side.offers = OfferMaker(
@@ -125,6 +132,12 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         """Scheduler: keep stepping while P holds blocks for the writer, so their frees are seen."""
         return self.scheduler_side.has_pending_push_work()
+
+    def may_load_async(self, request) -> bool:
+        """Scheduler (vLLM 0.34+), as a request is queued: D's legs load asynchronously, so they may
+        start loading while the running batch is full (``--max-num-inflight-kv-loads``)."""
+        side = self.scheduler_side
+        return isinstance(side, DecodeScheduler) and side.may_load_async(request)
 
     # -- worker side (worker process, engine loop) ------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -203,6 +216,12 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         run different TP sizes ("HND" is vLLM 0.29+'s LBHNC too). MLA has one head: no preference.
         Any layout vLLM ends up with is read off the tensors (platforms.kv_layout)."""
         return None if vllm_config.model_config.use_mla else "HND"
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config=None):
+        """Engine start-up (vLLM 0.34+): NIXL registers the KV cache's memory for RDMA (device memory,
+        or host memory on CPU and with host staging), so each KV segment must be one allocation."""
+        return compat.registers_kv_cache()
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:

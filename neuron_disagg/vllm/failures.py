@@ -27,7 +27,7 @@ _recent: OrderedDict[str, str] = OrderedDict()
 
 def router_transfer_id(transfer: TransferId) -> str:
     """The id the router sent (its X-Request-Id) for one prompt's transfer (``transfer_key``)."""
-    return f"{transfer.request.rsplit('/', 1)[0]}#{transfer.attempt}"
+    return str(transfer.router_attempt())
 
 
 def remember(failed: dict[str, str]) -> None:

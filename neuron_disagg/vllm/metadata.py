@@ -1,7 +1,9 @@
 """What the scheduler side tells the worker side each engine step.
 
 vLLM pickles this object from the engine-core process to every worker process; it carries only
-plain values (no sockets, no tensors). Each list holds the step's new work for the transfer threads.
+plain values (no sockets, no tensors). Each list holds the step's new work for the transfer threads;
+where the worker passes a record on to a thread unchanged, it is the thread's own inbox record
+(``transfer/inbox.py``), defined once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..protocol.messages import PullOffer, RankRegions, TransferId
+from ..transfer.inbox import Abort, Expect
 
 
 @dataclass(frozen=True)
@@ -27,17 +30,9 @@ class AllocatedBlocks:
 
 
 @dataclass(frozen=True)
-class Expect:
-    """D, push: a decode leg seen for the first time; the worker heartbeats P from now on."""
-
-    transfer_id: TransferId
-    p_side_channel: str
-    p_tp_size: int
-
-
-@dataclass(frozen=True)
-class KvReady:
-    """P, push: the prefill finished; the writer may write these blocks."""
+class HandOff:
+    """P: request ``request_id``'s prefill is (or, for ``kv_coming``, is about to be) computed into
+    ``block_ids``; push hands them to the writer."""
 
     transfer_id: TransferId
     request_id: str
@@ -45,8 +40,8 @@ class KvReady:
 
 
 @dataclass(frozen=True)
-class Lend:
-    """P, pull: the prefill finished and its blocks are offered."""
+class OfferMade:
+    """P, pull: the prefill finished and its blocks are offered (the lender holds them)."""
 
     transfer_id: TransferId
     request_id: str
@@ -62,27 +57,18 @@ class ReadOffer:
     offers: tuple[bytes, ...]
 
 
-@dataclass(frozen=True)
-class Abort:
-    """Either side: the request ended before its transfer did."""
-
-    transfer_id: TransferId
-    role: str
-    reason: str
-
-
 @dataclass
 class StepMetadata(KVConnectorMetadata):
     """One engine step's new work for the transfer threads, in the order the worker hands it over."""
 
-    expect: list[Expect] = field(default_factory=list)
-    register: list[AllocatedBlocks] = field(default_factory=list)
-    kv_ready: list[KvReady] = field(default_factory=list)
-    kv_ready_after_forward: list[KvReady] = field(default_factory=list)  # this step's forward ends them
-    kv_coming: list[KvReady] = field(default_factory=list)  # so do these; handed over next step (async)
-    lend: list[Lend] = field(default_factory=list)
-    read: list[ReadOffer] = field(default_factory=list)
-    abort: list[Abort] = field(default_factory=list)
+    expect: list[Expect] = field(default_factory=list)             # D, push: heartbeat P from now on
+    register: list[AllocatedBlocks] = field(default_factory=list)  # D, push
+    kv_ready: list[HandOff] = field(default_factory=list)          # P, push
+    kv_ready_after_forward: list[HandOff] = field(default_factory=list)  # this step's forward ends them
+    kv_coming: list[HandOff] = field(default_factory=list)  # so do these; handed over next step (async)
+    lend: list[OfferMade] = field(default_factory=list)     # P, pull
+    read: list[ReadOffer] = field(default_factory=list)     # D, pull
+    abort: list[Abort] = field(default_factory=list)        # either: the request ended first
     # The step schedules no tokens: its worker runs no forward, and vLLM's engine loop sleeps after it.
     no_forward: bool = False
 

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.integration
 # KV region with 0x7f bytes as soon as a transfer lands, before vLLM is told the KV is there.
 CORRUPT_ONE_BLOCK = '''
 import ctypes
-import neuron_disagg.vllm.worker as worker
+from neuron_disagg.vllm.decode import DecodeWorker
 
-_hand_off, _on_loaded = worker.WorkerSide.hand_off, worker.WorkerSide._on_loaded
+_hand_off, _loaded = DecodeWorker.hand_off, DecodeWorker._loaded
 
 
 def hand_off(self, step):
@@ -31,14 +31,14 @@ def hand_off(self, step):
     return _hand_off(self, step)
 
 
-def on_loaded(self, tid):
+def loaded(self, tid, record):
     for block in self.__dict__.get("_test_blocks", {}).pop(tid, ())[:1]:
-        region = self.regions[0]
+        region = self.rank.regions[0]
         ctypes.memset(region.base_addr + block * region.block_stride_bytes, 0x7F, region.block_stride_bytes)
-    return _on_loaded(self, tid)
+    return _loaded(self, tid, record)
 
 
-worker.WorkerSide.hand_off, worker.WorkerSide._on_loaded = hand_off, on_loaded
+DecodeWorker.hand_off, DecodeWorker._loaded = hand_off, loaded
 '''
 
 

@@ -116,12 +116,12 @@ def test_every_table_row(state, event):
 
 
 def test_a_withdraw_frees_every_prompt_of_the_router_attempt_now_or_as_it_is_computed():
-    """The router's Withdraw names its own transfer id; each engine request's transfer is named
-    "<router request>/<prompt digest>". Held KV is freed at once, KV computed later as it comes in;
-    other attempts and other requests are untouched, and a D that registered keeps its write."""
+    """The router's Withdraw names its own transfer id; each engine request's transfer adds its
+    prompt's digest. Held KV is freed at once, KV computed later as it comes in; other attempts and
+    other requests are untouched, and a D that registered keeps its write."""
     c = core()
-    a, b = TransferId("req/aaa", 0), TransferId("req/bbb", 0)
-    registered, other_attempt, other = TransferId("req/ccc", 0), TransferId("req/ddd", 1), TransferId("reqx/aaa", 0)
+    a, b = TransferId("req", 0, "aaa"), TransferId("req", 0, "bbb")
+    registered, other_attempt, other = TransferId("req", 0, "ccc"), TransferId("req", 1, "ddd"), TransferId("reqx", 0, "aaa")
     c.kv_ready(a, (1, 2), 0)
     c.registration_received(registration(registered), 0)
     c.kv_ready(other_attempt, (3,), 0)
@@ -136,7 +136,7 @@ def test_a_withdraw_frees_every_prompt_of_the_router_attempt_now_or_as_it_is_com
     assert c.state_of(b) is PState.CANCELLED
     assert [x for x in c.kv_ready(registered, (10, 11, 12), 2) if isinstance(x, SubmitWrite)]  # D took it
     c.tick(2 + T.tombstone_s)  # the Withdraw is forgotten with the tombstones
-    assert not [x for x in c.kv_ready(TransferId("req/eee", 0), (8,), 3 + T.tombstone_s) if isinstance(x, FreeBlocks)]
+    assert not [x for x in c.kv_ready(TransferId("req", 0, "eee"), (8,), 3 + T.tombstone_s) if isinstance(x, FreeBlocks)]
 
 
 def test_undefined_pairs_raise_in_strict_mode_and_are_counted_otherwise():

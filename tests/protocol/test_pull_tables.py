@@ -76,7 +76,7 @@ def test_every_lender_row(state, event):
 
 def test_a_withdraw_frees_an_offer_nobody_will_read_now_or_as_it_is_made():
     c = lender()
-    held, later, other = TransferId("req/aaa"), TransferId("req/bbb"), TransferId("req/ccc", 1)
+    held, later, other = TransferId("req", 0, "aaa"), TransferId("req", 0, "bbb"), TransferId("req", 1, "ccc")
     c.offer(offer(held), 0)
     c.offer(offer(other), 0)
     freed = [a for a in c.withdraw(TransferId("req"), "decode refused it", 1) if isinstance(a, FreeBlocks)]

@@ -49,10 +49,7 @@ class Rank:
         return lambda **kw: self.peer.command({"op": op, **kw})
 
     def close(self):
-        try:
-            self.peer.thread.shutdown()
-        finally:
-            self.peer.server.close()
+        self.peer.shutdown()
 
 
 @pytest.fixture
@@ -112,12 +109,13 @@ def test_shutdown_fails_held_transfers_frees_their_blocks_and_joins(ranks):
 def test_an_error_in_the_thread_is_re_raised_by_shutdown(ranks):
     p = ranks("prefill", "--lease-s", "0.2")
 
-    def broken(tid, blocks):
-        raise ValueError("engine callback exploded")
+    class Broken:
+        def put(self, result):
+            raise ValueError("the outbox exploded")
 
-    p.peer.thread.on_free = broken
+    p.peer.thread.outbox = Broken()
     p.kv_ready(tid=["boom", 0], blocks=[7])
-    time.sleep(0.5)  # the lease lapses and the free callback raises on the writer thread
+    time.sleep(0.5)  # the lease lapses and reporting the free raises on the writer thread
     with pytest.raises(RuntimeError, match="push-writer-0 failed") as err:
         p.peer.thread.shutdown()
     assert isinstance(err.value.__cause__, ValueError)
@@ -326,7 +324,7 @@ def test_a_transport_that_needs_it_gets_a_new_agent_after_a_failed_write(ranks):
     p.kv_ready(tid=["after", 0], blocks=[1, 2])
     good.wait("loaded", ("after", 0))
     assert good.digest(blocks=[4, 5]) == p.digest(blocks=[1, 2])
-    assert p.peer.transport.name == f"{p.peer.agent}.1"
+    assert p.peer.transport.name == f"{p.peer.agent}-writer.1"
     assert p.peer.thread.stats["agent_resets"] == 1
 
 
@@ -337,7 +335,7 @@ def test_without_the_need_a_failed_write_keeps_the_agent(ranks):
     time.sleep(0.2)
     p.kv_ready(tid=["doomed", 0], blocks=[3])
     p.wait("free", ("doomed", 0))
-    assert p.peer.transport.name == p.peer.agent
+    assert p.peer.transport.name == f"{p.peer.agent}-writer"
     assert p.peer.thread.stats["agent_resets"] == 0
 
 

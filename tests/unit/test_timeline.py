@@ -73,14 +73,17 @@ def test_pull_breakdown_and_cut_lines(tmp_path):
 
 
 def test_a_connectors_per_prompt_transfers_join_the_routers_transfer(tmp_path):
-    """The connector names each prompt's transfer ``<request>/<prompt digest>#<attempt>``."""
+    """The connector names each prompt's transfer by the router's id plus a prompt digest; the
+    timeline files them under the router's id, so nothing parses ids back."""
+    from neuron_disagg.protocol import TransferId
+
     router = {k: v for k, v in PUSH.items() if k.startswith("router")}
     write(tmp_path, "router", "req.7#0", router)
-    write(tmp_path, "prefill", "req.7/3f2a9c0b11d4#0", {k: v for k, v in PUSH.items() if k.startswith("p_")})
-    write(tmp_path, "decode", "req.7/3f2a9c0b11d4#0", {k: v for k, v in PUSH.items() if k.startswith("d_")})
+    per_prompt = TransferId("req.7", 0, prompt="3f2a9c0b11d4")
+    write(tmp_path, "prefill", per_prompt, {k: v for k, v in PUSH.items() if k.startswith("p_")})
+    write(tmp_path, "decode", per_prompt, {k: v for k, v in PUSH.items() if k.startswith("d_")})
     assert list(timeline.load(tmp_path)) == ["req.7#0"]
     assert timeline.breakdown(timeline.load(tmp_path)["req.7#0"])["ttft"] == pytest.approx(0.1)
-    assert timeline.request_transfer("x.y/ab#3") == "x.y#3" and timeline.request_transfer("plain") == "plain"
 
 
 def test_a_timeline_that_cannot_be_written_turns_off_instead_of_raising(tmp_path, caplog):

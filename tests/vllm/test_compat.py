@@ -15,7 +15,8 @@ from neuron_disagg.platforms.kv_layout import BLOCKS, HEAD, HEADS, KV, TOKENS  #
 from neuron_disagg.vllm import compat  # noqa: E402
 from neuron_disagg.vllm.connector import NeuronDisaggConnector, StepClock, _refuse_hybrid_kv_cache  # noqa: E402
 from neuron_disagg.vllm.neuron_plugin import UnsupportedNeuronPlugin, refuse_unsupported_platform  # noqa: E402
-from neuron_disagg.vllm.scheduler import DecodeState, SchedulerSide  # noqa: E402
+from neuron_disagg.vllm.decode import DecodeScheduler, DecodeState  # noqa: E402
+from neuron_disagg.vllm.prefill import PrefillScheduler  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 
 VERSION = compat.parse(vllm.__version__)
@@ -93,7 +94,7 @@ SIGNER = ParamsSigner(b"compat-tests-deployment-secret-0123")
 
 def test_scheduler_side_fails_a_load_from_invalid_blocks_on_older_vllm(monkeypatch):
     monkeypatch.setattr(compat, "reports_failed_recving", lambda: False)
-    side = SchedulerSide(16, SIGNER)
+    side = DecodeScheduler(16, SIGNER)
     params = SIGNER.sign({"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": "r#0",
                           "p_side_channel": "127.0.0.1:1", "p_tp_size": 1})
     request = FakeRequest(request_id="d1", prompt_token_ids=list(range(40)), kv_transfer_params=params)
@@ -108,7 +109,7 @@ def test_scheduler_side_fails_a_load_from_invalid_blocks_on_older_vllm(monkeypat
 def test_prefill_hands_the_writer_only_the_prompts_blocks():
     """vLLM 0.24 passes request_finished every block of the request, later versions those of its
     computed tokens: either way only the prompt's blocks carry KV for D."""
-    side = SchedulerSide(16, SIGNER)
+    side = PrefillScheduler(16, SIGNER)
     params = SIGNER.sign({"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": "r#0"})
     request = FakeRequest(request_id="p1", prompt_token_ids=list(range(40)), kv_transfer_params=params,
                           status="FINISHED_LENGTH_CAPPED")

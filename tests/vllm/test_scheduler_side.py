@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
-from neuron_disagg.vllm.scheduler import (  # noqa: E402
-    DECODE_TABLE, END, PREFILL_TABLE, DecodeState, LegEvent, PrefillState, SchedulerSide, transfer_key,
-)
+from neuron_disagg.vllm.decode import DECODE_TABLE, DecodeScheduler, DecodeState  # noqa: E402
+from neuron_disagg.vllm.legs import END, LegEvent, transfer_key  # noqa: E402
+from neuron_disagg.vllm.prefill import PREFILL_TABLE, PrefillScheduler, PrefillState  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.protocol import TransferId  # noqa: E402
 
@@ -72,15 +72,16 @@ def held(side):
 
 def test_each_prompt_of_a_request_is_its_own_transfer_named_alike_on_p_and_d():
     key_a, key_b = transfer_key(TransferId("req.1", 0), list(A)), transfer_key(TransferId("req.1", 0), list(B))
-    assert key_a != key_b and key_a.request.startswith("req.1/") and key_a.attempt == 0
-    d = SchedulerSide(BLOCK, SIGNER)
+    assert key_a != key_b and key_a.request == "req.1" and key_a.prompt and key_a.attempt == 0
+    assert key_a.router_attempt() == key_b.router_attempt() == TransferId("req.1", 0)
+    d = DecodeScheduler(BLOCK, SIGNER)
     for rid, tokens in (("0", A), ("1", B)):
         assert d.get_num_new_matched_tokens(request(rid, tokens, PUSH_D), 0) == (len(tokens), True)
     assert [e.transfer_id for e in d.build_connector_meta(None).expect] == [key_a, key_b]
 
 
 def test_samples_of_one_prompt_wait_for_the_first_then_compute_from_the_prefix_cache():
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     first, second = request("0_r", A, PUSH_D), request("1_r", A, PUSH_D)
     assert d.get_num_new_matched_tokens(first, 0) == (40, True)
     assert d.get_num_new_matched_tokens(second, 0) == (None, False)  # ask again next step
@@ -95,7 +96,7 @@ def test_samples_of_one_prompt_wait_for_the_first_then_compute_from_the_prefix_c
 
 
 def test_a_sibling_still_computes_when_the_first_fails_or_is_aborted():
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     first, second = request("0_r", A, PUSH_D), request("1_r", A, PUSH_D)
     d.get_num_new_matched_tokens(first, 0)
     d.get_num_new_matched_tokens(second, 0)
@@ -105,7 +106,7 @@ def test_a_sibling_still_computes_when_the_first_fails_or_is_aborted():
 
 
 def test_prefill_hands_one_siblings_blocks_over_and_frees_the_others():
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     done = "FINISHED_LENGTH_CAPPED"
     first, second = request("0_r", A, PUSH_P, done), request("1_r", A, PUSH_P, done)
     for r in (first, second):
@@ -120,7 +121,7 @@ def test_prefill_hands_one_siblings_blocks_over_and_frees_the_others():
 
 
 def test_held_blocks_is_reported_when_it_changes():
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     assert held(d) == 0
     assert held(d) is None  # unchanged: nothing to report
     r = request("0", A, PUSH_D)
@@ -134,7 +135,7 @@ def test_held_blocks_is_reported_when_it_changes():
 
 
 def test_a_pull_decode_takes_several_offers():
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     params = SIGNER.sign({"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": TID,
                           "offers": ["AAAA", "AQID"]})
     r = request("0", A, params)
@@ -146,7 +147,7 @@ def test_a_pull_decode_takes_several_offers():
 
 @pytest.mark.parametrize("failed", [False, True], ids=["loaded", "failed"])
 def test_a_finished_load_stops_holding_while_its_request_decodes(failed):
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     r = request("0", A, PUSH_D)
     d.get_num_new_matched_tokens(r, 0)
     d.update_state_after_alloc(r, blocks(5, 6, 7), 40)
@@ -168,7 +169,7 @@ def test_params_not_signed_by_this_deployment_run_as_plain_requests_and_are_coun
               "other secret": lambda: ParamsSigner(b"another-deployment-secret-0123456").sign(unsigned),
               "altered side channel": lambda: {**SIGNER.sign(unsigned), "p_side_channel": "10.6.6.6:5600"},
               "expired": lambda: SIGNER.sign(unsigned, now=0.0)}[forge]()
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     r = request("0", A, params)
     assert d.get_num_new_matched_tokens(r, 0) == (0, False)  # computed here, like any request
     d.update_state_after_alloc(r, blocks(5, 6, 7), 0)
@@ -178,10 +179,25 @@ def test_params_not_signed_by_this_deployment_run_as_plain_requests_and_are_coun
     assert "counts" not in (d.stats() or {})  # reported once
 
 
+@pytest.mark.parametrize("side, params", [(DecodeScheduler, PUSH_P), (PrefillScheduler, PUSH_D)],
+                         ids=["prefill leg to D", "decode leg to P"])
+def test_a_leg_for_the_other_role_runs_as_a_plain_request_and_is_counted(side, params):
+    """A router with P's and D's addresses swapped sends each instance the other role's signed legs:
+    each is computed here as a plain request and counted; nothing reaches the worker."""
+    instance = side(BLOCK, SIGNER)
+    r = one_token_request("0", params=params)
+    assert instance.get_num_new_matched_tokens(r, 0) == (0, False)
+    instance.update_state_after_alloc(r, blocks(5, 6, 7), 0)
+    assert instance.request_finished(r, [5, 6, 7]) == (False, None)
+    assert not instance.build_connector_meta(step(new={"0": (0, [5, 6, 7])}, scheduled={"0": 40}))
+    assert not instance.legs and not instance.unexpected
+    assert instance.stats()["counts"] == {"params_for_other_role": 1}
+
+
 # -- every row of both tables, reached through vLLM's calls only -------------------------------------
 def _d_at(state):
     """A D scheduler side with request "0" (and "1", a sample of the same prompt) in ``state``."""
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     first, second = request("0", A, PUSH_D), request("1", A, PUSH_D)
     d.get_num_new_matched_tokens(first, 0)
     if state is DecodeState.FOLLOWING:
@@ -198,7 +214,7 @@ def _d_at(state):
 
 
 def _p_at(state):
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     r = request("0", A, PUSH_P, "FINISHED_LENGTH_CAPPED")
     p.get_num_new_matched_tokens(r, 0)
     if state is PrefillState.HANDED_OFF:
@@ -211,7 +227,7 @@ def _p_last_chunk(sibling=False):
     """An async-scheduling P whose request "0" had its prompt's last tokens scheduled (and a sibling
     "1" of the same prompt, handed off already, when ``sibling``). That step's metadata names the
     prompt's blocks, for the writer to plan during the forward, unless a sibling's KV went instead."""
-    p = SchedulerSide(BLOCK, SIGNER, async_scheduling=True)
+    p = PrefillScheduler(BLOCK, SIGNER, async_scheduling=True)
     if sibling:
         p.get_num_new_matched_tokens(one_token_request("1"), 0)
         p.build_connector_meta(step(new={"1": (0, [8, 9, 10])}, scheduled={"1": 40}))
@@ -225,7 +241,7 @@ def _p_last_chunk(sibling=False):
 
 
 def _p_handed_off_early():
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     r = one_token_request("0")
     p.get_num_new_matched_tokens(r, 0)
     p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
@@ -319,7 +335,7 @@ def test_a_preempted_request_whose_kv_arrived_recomputes_from_its_own_cache_and_
 
 # -- P hands a finished prefill over when its forward ends, not at the request's end ----------------
 def test_a_prefill_goes_to_the_writer_after_the_forward_that_ends_it():
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     r = one_token_request("0")
     p.get_num_new_matched_tokens(r, 0)
     meta = p.build_connector_meta(step(new={"0": (0, [3, 4, 5, 6])}, scheduled={"0": 40}))
@@ -332,7 +348,7 @@ def test_a_prefill_goes_to_the_writer_after_the_forward_that_ends_it():
 
 
 def test_a_chunked_prefill_is_handed_over_with_every_chunks_blocks():
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     r = one_token_request("0")
     p.get_num_new_matched_tokens(r, 0)
     assert not p.build_connector_meta(step(new={"0": (0, [3])}, scheduled={"0": 16}))
@@ -363,14 +379,14 @@ def test_a_request_ended_after_an_early_hand_off_stops_its_write_and_keeps_its_b
     p, r = _p_handed_off_early()
     assert p.request_finished(one_token_request("0", "FINISHED_ABORTED"), [3, 4, 5]) == (True, None)
     (abort,) = p.build_connector_meta(step()).abort
-    assert abort.role == "prefill" and held(p) == 3
+    assert abort.reason.startswith("prefill request ended") and held(p) == 3
     p.update_connector_output(output(sending={"0"}))
     assert not p.legs and held(p) == 0
 
 
 def test_only_a_one_token_push_prefill_is_handed_over_early():
     for r in (one_token_request("0", max_tokens=2), request("0", A, PUSH_P, "FINISHED_LENGTH_CAPPED")):
-        p = SchedulerSide(BLOCK, SIGNER)
+        p = PrefillScheduler(BLOCK, SIGNER)
         p.get_num_new_matched_tokens(r, 0)
         assert not p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))
         assert p.request_finished(r, [3, 4, 5]) == (True, None)
@@ -384,7 +400,7 @@ def test_blocks_that_differ_from_what_vllm_ends_the_request_with_are_a_counted_b
 
 
 def test_a_sibling_that_finishes_its_prefill_later_is_freed_at_its_end():
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     first, second = one_token_request("0"), one_token_request("1")
     for r in (first, second):
         p.get_num_new_matched_tokens(r, 0)
@@ -399,7 +415,7 @@ def test_a_sample_that_arrives_after_its_sibling_ended_computes_from_the_prefix_
     """vLLM adds each sample (n > 1) and each prompt of a list as its own engine request: on a busy
     host one can reach the scheduler after its sibling loaded, decoded and ended. Asking for the
     transfer again would wait for a KV that P already sent (in CI, for ever, its blocks held)."""
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     first = request("0_r", A, PUSH_D)
     assert d.get_num_new_matched_tokens(first, 0) == (40, True)
     d.update_state_after_alloc(first, blocks(5, 6, 7), 40)
@@ -415,7 +431,7 @@ def test_a_sample_that_arrives_after_its_sibling_ended_computes_from_the_prefix_
 
 
 def test_a_prefill_sibling_that_arrives_after_the_kv_was_sent_is_freed_at_once(monkeypatch):
-    p = SchedulerSide(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER)
     first = one_token_request("0")
     p.get_num_new_matched_tokens(first, 0)
     p.build_connector_meta(step(new={"0": (0, [3, 4, 5])}, scheduled={"0": 40}))  # handed over early
@@ -431,8 +447,8 @@ def test_a_prefill_sibling_that_arrives_after_the_kv_was_sent_is_freed_at_once(m
 
 
 def test_ended_transfers_are_remembered_up_to_a_bound(monkeypatch):
-    monkeypatch.setattr("neuron_disagg.vllm.scheduler.ENDED_KEPT", 2)
-    d = SchedulerSide(BLOCK, SIGNER)
+    monkeypatch.setattr("neuron_disagg.vllm.legs.ENDED_KEPT", 2)
+    d = DecodeScheduler(BLOCK, SIGNER)
     for i, tokens in enumerate((A, B, range(200, 220))):
         r = request(f"{i}_r", tokens, PUSH_D)
         d.get_num_new_matched_tokens(r, 0)
@@ -441,7 +457,7 @@ def test_ended_transfers_are_remembered_up_to_a_bound(monkeypatch):
 
 
 def test_each_step_tells_the_workers_whether_it_runs_a_forward():
-    d = SchedulerSide(BLOCK, SIGNER)
+    d = DecodeScheduler(BLOCK, SIGNER)
     assert d.build_connector_meta(step()).no_forward
     assert not d.build_connector_meta(step(scheduled={"r": 1})).no_forward
     assert not d.build_connector_meta(None).no_forward
@@ -454,7 +470,7 @@ def test_the_timeline_marks_a_loaded_requests_first_step_once(tmp_path, ends_fir
 
     from neuron_disagg.timeline import Timeline
 
-    d = SchedulerSide(BLOCK, SIGNER, timeline=Timeline(tmp_path, "decode-scheduler"))
+    d = DecodeScheduler(BLOCK, SIGNER, timeline=Timeline(tmp_path, "decode-scheduler"))
     loaded, waiting = request("0", A, PUSH_D), request("1", B, PUSH_D)
     for r, ids in ((loaded, (5, 6, 7)), (waiting, (8, 9))):
         d.get_num_new_matched_tokens(r, 0)
@@ -469,7 +485,7 @@ def test_the_timeline_marks_a_loaded_requests_first_step_once(tmp_path, ends_fir
     d.timeline.close()
     (written,) = tmp_path.iterdir()
     marks = [json.loads(line) for line in written.read_text().splitlines()]
-    key = str(transfer_key(TransferId("req.1", 0), list(A)))
+    key = "req.1#0"  # filed under the router's transfer id
     assert [k for k, event, _ in marks if event == "d_loaded"] == [key]
     assert [k for k, event, _ in marks if event == "d_scheduled"] == ([] if ends_first else [key])
-    assert not d._first_step  # nothing kept for a request that ended
+    assert not any(leg.awaiting_first_step for leg in d.legs.values())  # nothing kept for one that ended

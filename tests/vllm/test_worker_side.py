@@ -1,11 +1,10 @@
 """The connector's worker side with stand-ins for its transfer threads: what each step's metadata
-hands them, and what their callbacks (from any thread) turn into for vLLM — loaded, failed with its
-blocks, aborted while loading, sent only once vLLM listed the request finished — plus the stats it
-reports, as changes since the last report."""
+hands them, and what they report through the rank's outbox (from any thread) turns into for vLLM —
+loaded, failed with its blocks, aborted while loading, sent only once vLLM listed the request
+finished — plus the stats it reports, as changes since the last report."""
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 from collections import Counter
@@ -16,16 +15,21 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg.config import Config  # noqa: E402
-from neuron_disagg.protocol import PullOffer, RankRegions, Registration, TransferId, WireCodec  # noqa: E402
-from neuron_disagg.vllm.metadata import (  # noqa: E402
-    Abort, AllocatedBlocks, Expect, KvReady, ReadOffer, StepMetadata,
-)
+from neuron_disagg.protocol import RankRegions, Registration, TransferId  # noqa: E402
 from neuron_disagg.timeline import OFF  # noqa: E402
+from neuron_disagg.transfer.outbox import Failed, Freed, Loaded  # noqa: E402
+from neuron_disagg.transfer.rank import Rank  # noqa: E402
 from neuron_disagg.transfer.thread import TransferThread, TransferThreadDied  # noqa: E402
+from neuron_disagg.transfer.transport import InMemoryTransport  # noqa: E402
+from neuron_disagg.vllm.decode import DecodeWorker  # noqa: E402
+from neuron_disagg.vllm.metadata import (  # noqa: E402
+    Abort, AllocatedBlocks, Expect, HandOff, ReadOffer, StepMetadata,
+)
+from neuron_disagg.vllm.prefill import PrefillWorker  # noqa: E402
 from neuron_disagg.vllm.worker import WorkerSide  # noqa: E402
 
 SECRET = "worker-side-tests-secret-0123456789"
-TID, RID = TransferId("req.1/abc", 0), "cmpl-req.1-0"
+TID, RID = TransferId("req.1", 0, "abc"), "cmpl-req.1-0"
 
 
 class Thread:
@@ -35,6 +39,7 @@ class Thread:
         self.calls: list[tuple] = []
         self.core = SimpleNamespace(counters=Counter())
         self.rejected: Counter = Counter()
+        self.stats: Counter = Counter()
         self.timeline = OFF
         self.cpu_seconds = 0.0
 
@@ -44,86 +49,111 @@ class Thread:
     def check(self):
         pass
 
+    def expecting_a_landing(self):
+        return False
 
-def worker(monkeypatch, role: str, recompute: bool = True) -> WorkerSide:
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """A worker side of ``role`` around a real rank (in-memory agents, a side channel not started)
+    whose threads are recorders."""
     monkeypatch.setenv("NEURON_DISAGG_SECRET", SECRET)
-    side = WorkerSide(Config(), role, "engine-a", 0, 1, total_heads=4, recompute=recompute)
-    side.push, side.pull = Thread(), Thread()
-    side.server = SimpleNamespace(rejected=Counter())
-    side.platform = SimpleNamespace(wait_for_kv=lambda: "fence")
-    side.regions, side.rank_regions = (), RankRegions(0, side.agent_name, ())
-    return side
+    made = []
+
+    def make(role: str, recompute: bool = True) -> WorkerSide:
+        side = (PrefillWorker if role == "prefill" else DecodeWorker)(
+            Config(), "engine-a", 0, 1, total_heads=4, recompute=recompute)
+        side.rank = Rank(role, 0, 1, (), codec=side.codec, agent_name=f"engine-a-rank0-{len(made)}",
+                         side_channel_host="127.0.0.1", side_channel_port=0, transport=InMemoryTransport)
+        side.rank.push, side.rank.pull = Thread(), Thread()
+        side.platform = SimpleNamespace(wait_for_kv=lambda: "fence")
+        side.rank_regions = RankRegions(0, side.agent_name, ())
+        made.append(side)
+        return side
+
+    yield make
+    for side in made:
+        side.rank.server.close()
 
 
-def test_decode_registration_goes_to_the_receiver_and_a_load_is_reported_once(monkeypatch):
-    d = worker(monkeypatch, "decode")
+def report(side, *results):
+    """What the rank's threads report, as they would (any thread)."""
+    for result in results:
+        side.rank.outbox.put(result)
+
+
+def test_decode_registration_goes_to_the_receiver_and_a_load_is_reported_once(worker):
+    d = worker("decode")
     d.hand_off(StepMetadata(expect=[Expect(TID, "p:5600", 2)], register=[AllocatedBlocks(TID, RID, (5, 6), 1)]))
-    (expect, allocated) = d.push.calls
+    (expect, allocated) = d.rank.push.calls
     assert expect == ("expect", TID, "p:5600", 2)
     registration, fence = allocated[1:]
     assert isinstance(registration, Registration) and fence == "fence"
     assert (registration.block_ids, registration.first_block_index, registration.d_request_id) == ((5, 6), 1, RID)
     assert d.transfer_results(set()) == (set(), set(), set())  # in flight
-    d._on_loaded(TID)
+    report(d, Loaded(TID))
     assert d.transfer_results(set()) == (set(), {RID}, set())
     assert d.transfer_results(set()) == (set(), set(), set())
-    d._on_loaded(TID)  # a late duplicate changes nothing
+    report(d, Loaded(TID))  # a late duplicate changes nothing
     assert d.transfer_results(set()) == (set(), set(), set())
 
 
-def test_a_failed_load_is_reported_only_once_its_blocks_are_fenced_and_names_them(monkeypatch):
-    d = worker(monkeypatch, "decode")
+def test_a_failed_load_is_reported_only_once_its_blocks_are_fenced_and_names_them(worker):
+    d = worker("decode")
     d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5, 6), 0)]))
-    d._on_failed(TID, "lease expired")
+    report(d, Failed(TID, "lease expired"))
     assert d.transfer_results(set()) == (set(), set(), set())  # a write may still land: not yet
-    d._on_free(TID, (5, 6))
+    report(d, Freed(TID, (5, 6)))
     assert d.transfer_results(set()) == (set(), {RID}, {RID})
     assert d.failed_blocks == {5, 6}  # vLLM < 0.32 learns of the failure by these
     assert d.transfer_results(set())[1:] == (set(), set()) and d.failed_blocks == set()
 
 
-def test_aborted_while_loading_the_blocks_go_back_once_fenced_and_the_load_is_not_a_failure(monkeypatch):
-    d = worker(monkeypatch, "decode")
+def test_aborted_while_loading_the_blocks_go_back_once_fenced_and_the_load_is_not_a_failure(worker):
+    d = worker("decode")
     d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
-    d.hand_off(StepMetadata(abort=[Abort(TID, "decode", "decode request aborted")]))
-    assert ("abort", TID, "decode request aborted") in d.push.calls
-    assert ("abort", TID, "decode request aborted") in d.pull.calls
-    d._on_free(TID, (5,))
+    d.hand_off(StepMetadata(abort=[Abort(TID, "decode request aborted")]))
+    assert ("abort", TID, "decode request aborted") in d.rank.push.calls
+    assert ("abort", TID, "decode request aborted") in d.rank.pull.calls
+    report(d, Freed(TID, (5,)))
     assert d.transfer_results(set()) == (set(), {RID}, set())
 
 
-def test_prefill_reports_sent_only_for_requests_vllm_listed_finished_in_either_order(monkeypatch):
-    p = worker(monkeypatch, "prefill")
-    other = TransferId("req.2/def", 0)
-    p.hand_off(StepMetadata(kv_ready=[KvReady(TID, RID, (1, 2)), KvReady(other, "r2", (3,))]))
-    assert [c[0] for c in p.push.calls] == ["kv_ready", "kv_ready"]
-    p._on_free(TID, (1, 2))                                   # freed before vLLM listed it
+def test_prefill_reports_sent_only_for_requests_vllm_listed_finished_in_either_order(worker):
+    p = worker("prefill")
+    other = TransferId("req.2", 0, "def")
+    p.hand_off(StepMetadata(kv_ready=[HandOff(TID, RID, (1, 2)), HandOff(other, "r2", (3,))]))
+    assert [c[0] for c in p.rank.push.calls] == ["kv_ready", "kv_ready"]
+    report(p, Freed(TID, (1, 2)))                                   # freed before vLLM listed it
     assert p.transfer_results({"plain-request"}) == (set(), set(), set())
     assert p.transfer_results({RID}) == ({RID}, set(), set())
     assert p.transfer_results({"r2"}) == (set(), set(), set())  # listed before freed
-    p._on_free(other, (3,))
+    report(p, Freed(other, (3,)))
     assert p.transfer_results(set()) == ({"r2"}, set(), set())
-    assert not p._finished_by_vllm  # a plain request's id was never kept
+    assert not p._transfers  # a plain request's id was never kept
 
 
-def test_a_pull_read_hands_the_legs_offers_unverified_to_the_reader_in_two_puts(monkeypatch):
+def test_a_pull_read_hands_the_legs_offers_unverified_to_the_reader_in_two_puts(worker):
     """Checking the offers' signatures is the reader's work, off the engine loop (transfer tests:
     a forged or foreign offer fails the load and frees its blocks)."""
-    d = worker(monkeypatch, "decode")
+    d = worker("decode")
     frames = (b"first prompt's offer", b"second prompt's offer")
     d.hand_off(StepMetadata(read=[ReadOffer(AllocatedBlocks(TID, RID, (7,), 2), frames)]))
-    assert [c[0] for c in d.pull.calls] == ["offered", "allocated"]
-    assert d.pull.calls[0][1:] == (TID, frames) and d.pull.calls[1][1:4] == (TID, d.rank_regions, (7,))
-    d._on_failed(TID, "offer rejected: bad signature")  # what the reader reports for a forged one
-    d._on_free(TID, (7,))
+    assert [c[0] for c in d.rank.pull.calls] == ["offered", "allocated"]
+    assert d.rank.pull.calls[0][1:] == (TID, frames) and d.rank.pull.calls[1][1:4] == (TID, d.rank_regions, (7,))
+    report(d, Failed(TID, "offer rejected: bad signature"))  # what the reader reports for a forged one
+    report(d, Freed(TID, (7,)))
     assert d.transfer_results(set()) == (set(), {RID}, {RID}) and d.failed_blocks == {7}
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_reason(monkeypatch, recompute):
-    d = worker(monkeypatch, "decode", recompute=recompute)
+def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_reason(worker, recompute):
+    d = worker("decode", recompute=recompute)
     d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
-    d._on_failed(TID, "lease expired")
+    report(d, Failed(TID, "lease expired"))
     first = d.stats()
     assert first["counts"] == {"transfers_failed": 1} and first["failures"] == {"lease expired": 1}
     assert first["recomputed"] == ({"lease expired": 1} if recompute else {})
@@ -135,38 +165,38 @@ def test_stats_are_changes_since_the_last_report_and_the_fail_policy_keeps_each_
     assert (got["step_us"], got["step_cpu_us"]) == ([42.0], [40.0])
 
 
-def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_a_fence(monkeypatch):
-    p = worker(monkeypatch, "prefill")
+def test_a_prefill_its_step_completes_goes_to_the_writer_after_the_forward_with_a_fence(worker):
+    p = worker("prefill")
     recorded: list[str] = []
     p.platform = SimpleNamespace(wait_for_kv=lambda: recorded.append("fence") or f"fence {len(recorded)}")
-    p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
+    p.hand_off(StepMetadata(kv_ready_after_forward=[HandOff(TID, RID, (1, 2))]))
     assert recorded == []  # its KV is still being computed: no fence yet
-    assert p.push.calls == [("kv_coming", TID, (1, 2))]  # but the writer may plan its write
+    assert p.rank.push.calls == [("kv_coming", TID, (1, 2))]  # but the writer may plan its write
     before = time.time()
     p.after_forward()
-    (_, call) = p.push.calls
+    (_, call) = p.rank.push.calls
     assert call[:4] == ("kv_ready", TID, (1, 2), "fence 1")  # a fence recorded behind the forward
     assert before <= call[4] <= time.time()  # when the KV was computed: the writer marks the timeline
     p.after_forward()
-    assert len(p.push.calls) == 2
-    p._on_free(TID, (1, 2))
+    assert len(p.rank.push.calls) == 2
+    report(p, Freed(TID, (1, 2)))
     assert p.transfer_results({RID}) == ({RID}, set(), set())
 
 
-def test_one_vllm_did_not_call_after_the_forward_goes_at_the_next_step_start(monkeypatch):
-    p = worker(monkeypatch, "prefill")
-    p.hand_off(StepMetadata(kv_ready_after_forward=[KvReady(TID, RID, (1, 2))]))
+def test_one_vllm_did_not_call_after_the_forward_goes_at_the_next_step_start(worker):
+    p = worker("prefill")
+    p.hand_off(StepMetadata(kv_ready_after_forward=[HandOff(TID, RID, (1, 2))]))
     p.hand_off(StepMetadata())  # e.g. a runner that defers wait_for_save
-    assert [c[:3] for c in p.push.calls] == [("kv_coming", TID, (1, 2)), ("kv_ready", TID, (1, 2))]
+    assert [c[:3] for c in p.rank.push.calls] == [("kv_coming", TID, (1, 2)), ("kv_ready", TID, (1, 2))]
 
 
-def test_under_async_scheduling_the_writer_hears_of_a_prefill_before_its_last_forward(monkeypatch):
-    p = worker(monkeypatch, "prefill")
-    p.hand_off(StepMetadata(kv_coming=[KvReady(TID, RID, (1, 2))]))
+def test_under_async_scheduling_the_writer_hears_of_a_prefill_before_its_last_forward(worker):
+    p = worker("prefill")
+    p.hand_off(StepMetadata(kv_coming=[HandOff(TID, RID, (1, 2))]))
     p.after_forward()
-    assert p.push.calls == [("kv_coming", TID, (1, 2))]  # handed over only at the next step's start
-    p.hand_off(StepMetadata(kv_ready=[KvReady(TID, RID, (1, 2))]))
-    assert [c[:3] for c in p.push.calls[1:]] == [("kv_ready", TID, (1, 2))]
+    assert p.rank.push.calls == [("kv_coming", TID, (1, 2))]  # handed over only at the next step's start
+    p.hand_off(StepMetadata(kv_ready=[HandOff(TID, RID, (1, 2))]))
+    assert [c[:3] for c in p.rank.push.calls[1:]] == [("kv_ready", TID, (1, 2))]
 
 
 class Exploding(TransferThread):
@@ -183,13 +213,13 @@ class Exploding(TransferThread):
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_a_transfer_thread_that_died_stops_the_engine_loop_with_its_reason(monkeypatch, role):
+def test_a_transfer_thread_that_died_stops_the_engine_loop_with_its_reason(worker, role):
     """Its transfers would otherwise wait forever holding their blocks, no request failing (a
     receiver dead of a bug hung every later push request on that D, and nothing said so)."""
-    side = worker(monkeypatch, role)
+    side = worker(role)
     side.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
     assert side.transfer_results(set()) == (set(), set(), set())
-    dead = side.push = Exploding().start()
+    dead = side.rank.push = Exploding().start()
     dead._inbox.put("an item it cannot take")
     dead._thread.join(5)
     assert not dead._thread.is_alive()
@@ -213,9 +243,9 @@ class Blocking(Exploding):
         self.release.wait(10)
 
 
-def test_a_transfer_thread_stuck_in_one_call_stops_the_engine_loop_saying_where(monkeypatch):
-    d = worker(monkeypatch, "decode")
-    stuck = d.push = Blocking().start()
+def test_a_transfer_thread_stuck_in_one_call_stops_the_engine_loop_saying_where(worker):
+    d = worker("decode")
+    stuck = d.rank.push = Blocking().start()
     try:
         time.sleep(1.0)  # idle, waiting for work, for longer than stuck_after_s: not stuck
         for _ in range(10):
@@ -231,11 +261,11 @@ def test_a_transfer_thread_stuck_in_one_call_stops_the_engine_loop_saying_where(
         stuck.release.set()
 
 
-def test_a_pause_of_the_whole_process_is_not_taken_for_a_stuck_thread(monkeypatch):
+def test_a_pause_of_the_whole_process_is_not_taken_for_a_stuck_thread(worker):
     """SIGSTOP (a hung host) stops the engine and the thread alike; on resume the engine's clock has
     run on while the thread is still in the turn it was in."""
-    d = worker(monkeypatch, "decode")
-    paused = d.push = Blocking().start()
+    d = worker("decode")
+    paused = d.rank.push = Blocking().start()
     try:
         paused._inbox.put("a turn the pause falls into")
         time.sleep(0.05)
@@ -256,6 +286,7 @@ class Busy(Exploding):
 
     def __init__(self):
         super().__init__()
+        self.stats: Counter = Counter()
         self._handlers[float] = self._compute
 
     def _compute(self, seconds, now):
@@ -264,41 +295,41 @@ class Busy(Exploding):
             pass
 
 
-def test_stats_report_each_transfer_threads_cpu_time_and_only_its_own(monkeypatch):
+def test_stats_report_each_transfer_threads_cpu_time_and_only_its_own(worker):
     """P's writer or D's receiver ("push") and the lender or reader ("pull"), in µs since start;
     the engine thread's own work is not theirs."""
-    d = worker(monkeypatch, "decode")
-    d.push, d.pull = Busy().start(), Busy().start()
+    d = worker("decode")
+    d.rank.push, d.rank.pull = Busy().start(), Busy().start()
     try:
         d.stats()
-        d.push._inbox.put(0.05)
+        d.rank.push._inbox.put(0.05)
         end = time.thread_time() + 0.1  # the engine thread busy meanwhile
         while time.thread_time() < end:
             pass
-        d.push.shutdown()  # its last turn begins once the first one's work ended
+        d.rank.push.shutdown()  # its last turn begins once the first one's work ended
         counts = d.stats()["counts"]
         assert 50_000 <= counts["push_thread_cpu_us"] < 90_000
         assert counts.get("pull_thread_cpu_us", 0) < 10_000
     finally:
-        d.pull.shutdown()
+        d.rank.pull.shutdown()
 
 
-def landing_in_flight(monkeypatch, wait_s: float, *, push: bool = True, pull: bool = False) -> WorkerSide:
+def landing_in_flight(worker, wait_s: float, *, push: bool = True, pull: bool = False) -> WorkerSide:
     """A D whose receiver (push) or reader (pull) has KV on the wire into blocks registered for
     TID, with the landing wait set to ``wait_s`` (past the config's bound where a test needs a wait
     that only the landing can end)."""
-    d = worker(monkeypatch, "decode")
+    d = worker("decode")
     d.config = d.config.model_copy(update={"landing_wait_s": wait_s})
     d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5, 6), 0)]))
-    d.push.expecting_a_landing, d.pull.expecting_a_landing = (lambda: push), (lambda: pull)
+    d.rank.push.expecting_a_landing, d.rank.pull.expecting_a_landing = (lambda: push), (lambda: pull)
     return d
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_step_without_a_forward_waits_for_kv_in_flight_and_reports_it_as_it_lands(monkeypatch, mode):
-    d = landing_in_flight(monkeypatch, 30.0, push=mode == "push", pull=mode == "pull")
+def test_a_step_without_a_forward_waits_for_kv_in_flight_and_reports_it_as_it_lands(worker, mode):
+    d = landing_in_flight(worker, 30.0, push=mode == "push", pull=mode == "pull")
     d.hand_off(StepMetadata(no_forward=True))
-    threading.Timer(0.2, d._on_loaded, (TID,)).start()
+    threading.Timer(0.2, report, (d, Loaded(TID))).start()
     started = time.monotonic()
     d.wait_for_landing()
     assert 0.15 < time.monotonic() - started < 10  # woken by the landing, not the 30 s bound
@@ -307,8 +338,8 @@ def test_a_step_without_a_forward_waits_for_kv_in_flight_and_reports_it_as_it_la
     assert counts["landings_awaited"] == 1 and 150_000 < counts["landing_wait_us"] < 10_000_000
 
 
-def test_the_wait_is_bounded_and_a_freed_transfer_ends_it_too(monkeypatch):
-    d = landing_in_flight(monkeypatch, 0.05)
+def test_the_wait_is_bounded_and_a_freed_transfer_ends_it_too(worker):
+    d = landing_in_flight(worker, 0.05)
     d.hand_off(StepMetadata(no_forward=True))
     started = time.monotonic()
     d.wait_for_landing()  # nothing lands: the bound
@@ -317,8 +348,8 @@ def test_the_wait_is_bounded_and_a_freed_transfer_ends_it_too(monkeypatch):
     counts = d.stats()["counts"]
     assert "landings_awaited" not in counts and counts["landing_wait_us"] >= 50_000
     d.config = d.config.model_copy(update={"landing_wait_s": 30.0})
-    d._on_failed(TID, "lease expired")
-    threading.Timer(0.2, d._on_free, (TID, (5, 6))).start()
+    report(d, Failed(TID, "lease expired"))
+    threading.Timer(0.2, report, (d, Freed(TID, (5, 6)))).start()
     started = time.monotonic()
     d.wait_for_landing()
     assert time.monotonic() - started < 10
@@ -327,17 +358,17 @@ def test_the_wait_is_bounded_and_a_freed_transfer_ends_it_too(monkeypatch):
 
 @pytest.mark.parametrize("case", ["a forward runs", "nothing in flight", "the last step reported", "prefill",
                                   "already landed", "configured off"])
-def test_no_wait_where_the_step_computes_or_has_nothing_to_wait_for(monkeypatch, case):
-    d = landing_in_flight(monkeypatch, 0.0 if case == "configured off" else 30.0,
+def test_no_wait_where_the_step_computes_or_has_nothing_to_wait_for(worker, case):
+    d = landing_in_flight(worker, 0.0 if case == "configured off" else 30.0,
                           push=case != "nothing in flight")
     if case == "the last step reported":
-        d.hand_off(StepMetadata(register=[AllocatedBlocks(TransferId("req.2/abc", 0), "other", (7,), 0)]))
-        d._on_loaded(TID)
+        d.hand_off(StepMetadata(register=[AllocatedBlocks(TransferId("req.2", 0, "abc"), "other", (7,), 0)]))
+        report(d, Loaded(TID))
         assert d.transfer_results(set())[1] == {RID}
-    if case == "prefill":
-        d.role = "prefill"
+    if case == "prefill":  # P owes no landings: its worker has no wait at all
+        d = worker("prefill")
     if case == "already landed":
-        d._on_loaded(TID)
+        report(d, Loaded(TID))
     d.hand_off(StepMetadata(no_forward=case != "a forward runs"))
     started = time.monotonic()
     d.wait_for_landing()
