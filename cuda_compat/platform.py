@@ -6,8 +6,6 @@ thread calls ``synchronize`` on it before the WRITE, so the NIC never reads KV s
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import glob
 import sys
 
@@ -18,21 +16,6 @@ from neuron_disagg.platforms.fence import EventFence, KVFence
 NVIDIA_VENDOR = "0x10de"
 #: p5en: GPUDirect RDMA over EFA. No FORK_SAFE/SHM settings are needed on GPU memory.
 CUDA_FABRIC_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
-
-
-def cuda_device_nodes(root: str = "/") -> list[str]:
-    return sorted(glob.glob(pci.under(root, "/dev/nvidia[0-9]*")))
-
-
-def libcuda_present() -> bool:
-    """True when the CUDA driver library loads (a stub is enough for NIXL's LIBFABRIC plugin)."""
-    if ctypes.util.find_library("cuda"):
-        return True
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
 
 
 def _torch_cuda():

@@ -1,7 +1,7 @@
 """`neuron-disagg launch | status | teardown CONFIG [flags]`: AWS deployments of P/D serving.
 
 Flags override the deployment config file, so one model config serves trn2 and p5en unchanged
-(``--instance-type`` is the only difference between examples/trn2_1p1d.sh and p5en_1p1d.sh).
+(``--instance-type`` is the only difference between a trn2 and a p5en deployment: examples/launch.sh).
 """
 
 from __future__ import annotations

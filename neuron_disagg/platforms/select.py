@@ -6,6 +6,8 @@ the way it did. Asking for an accelerator the host lacks fails at startup, namin
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import glob
 import importlib
 import logging
@@ -22,6 +24,20 @@ log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
 CHOICES = ("auto", "neuron", "cuda", "cpu")
+#: Platforms that live outside this package, loaded by name only once their accelerator was seen:
+#: the CUDA one builds on this package, so importing it from here would make the two import each other.
+PLUGINS = {"cuda": ("cuda_compat", "CudaPlatform")}
+
+
+def libcuda_present() -> bool:
+    """True when the CUDA driver library loads (a stub is enough for NIXL's LIBFABRIC plugin)."""
+    if ctypes.util.find_library("cuda"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def _cuda_probe(root: str) -> tuple[bool, str]:
@@ -40,7 +56,6 @@ def _cuda_probe(root: str) -> tuple[bool, str]:
         except Exception as exc:  # a broken driver must not crash selection
             log.debug("torch.cuda.is_available() raised %r", exc)
     if nodes:
-        from cuda_compat import libcuda_present
         if libcuda_present():
             return True, f"{nodes[0]} exists and libcuda loads"
         return False, f"{nodes[0]} exists but libcuda.so.1 does not load"
@@ -52,7 +67,8 @@ def glob_nvidia(root: str) -> list[str]:
 
 
 def _cuda_platform(root: str) -> Platform:
-    return importlib.import_module("cuda_compat").CudaPlatform(root)
+    module, name = PLUGINS["cuda"]
+    return getattr(importlib.import_module(module), name)(root)
 
 
 def _log_once(platform: Platform, reason: str) -> None:

@@ -50,18 +50,10 @@ def test_example_scripts_pass_shellcheck(script):
     assert done.returncode == 0, done.stdout
 
 
-def test_trn2_and_p5en_scripts_differ_only_in_instance_type():
-    def code(name: str) -> list[str]:
-        return [line for line in (EXAMPLES / name).read_text().splitlines() if not line.startswith("#")]
-    trn2, p5en = code("trn2_1p1d.sh"), code("p5en_1p1d.sh")
-    differing = [(a, b) for a, b in zip(trn2, p5en) if a != b]
-    assert len(trn2) == len(p5en) and differing == [("INSTANCE_TYPE=trn2.48xlarge", "INSTANCE_TYPE=p5en.48xlarge")]
-
-
-@pytest.mark.parametrize("script, instance_type", [("trn2_1p1d.sh", "trn2.48xlarge"), ("p5en_1p1d.sh", "p5en.48xlarge")])
-def test_dry_run_of_the_1p1d_examples_shares_one_config(tmp_path, script, instance_type):
-    done = run(script, clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                 KEY_NAME="k", IAM_INSTANCE_PROFILE="neuron-disagg"))
+@pytest.mark.parametrize("instance_type", ["trn2.48xlarge", "p5en.48xlarge"])
+def test_dry_run_of_1p1d_on_either_platform_shares_one_config(tmp_path, instance_type):
+    done = run("launch.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
+                                      KEY_NAME="k", IAM_INSTANCE_PROFILE="neuron-disagg"), instance_type)
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert [(p["InstanceType"], p["MinCount"], p["MaxCount"]) for p in params] == [(instance_type, 2, 2)]
@@ -76,7 +68,7 @@ def test_dry_run_of_the_1p1d_examples_shares_one_config(tmp_path, script, instan
 
 def test_secret_in_user_data_is_the_explicit_way_without_an_instance_profile(tmp_path):
     env = clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc", SECRET_IN_USER_DATA="1")
-    done = run("trn2_1p1d.sh", env)
+    done = run("launch.sh", env, "trn2.48xlarge")
     assert done.returncode == 0, done.stderr
     assert calls(done.stdout, "ssm:PutParameter") == []
     assert all("redacted in dry run" in p["UserData"] and "IamInstanceProfile" not in p for p in launches(done.stdout))
@@ -84,15 +76,17 @@ def test_secret_in_user_data_is_the_explicit_way_without_an_instance_profile(tmp
 
 
 def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
-    done = run("xpyd.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                    CAPACITY_BLOCK="cr-0123", IAM_INSTANCE_PROFILE="neuron-disagg"),
-               "2", "3", "p5en.48xlarge")
+    done = run("launch.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
+                                      CAPACITY_BLOCK="cr-0123", IAM_INSTANCE_PROFILE="neuron-disagg"),
+               "p5en.48xlarge", "2", "3")
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert [(p["InstanceType"], p["MinCount"]) for p in params] == [("p5en.48xlarge", 5)]  # one call, all or none
     assert all(p["InstanceMarketOptions"] == {"MarketType": "capacity-block"} for p in params)
-    usage = run("xpyd.sh", clean_env(tmp_path), "two")
-    assert usage.returncode == 2 and "usage: examples/xpyd.sh X Y" in usage.stderr
+    assert [p["Name"] for p in calls(done.stdout, "ssm:PutParameter")] == ["/neuron-disagg/qwen3-32b-2p3d-p5en/secret"]
+    for wrong in (("two",), ("p5en.48xlarge", "2"), ("p5en.48xlarge", "x", "3")):
+        usage = run("launch.sh", clean_env(tmp_path), *wrong)
+        assert usage.returncode == 2 and "usage: examples/launch.sh INSTANCE_TYPE [X Y]" in usage.stderr
 
 
 @pytest.mark.parametrize("missing, message", [
@@ -109,7 +103,7 @@ def test_aws_examples_fail_early_with_a_clear_message(tmp_path, missing, message
                     IAM_INSTANCE_PROFILE="neuron-disagg")
     env.update(missing)
     env = {k: v for k, v in env.items() if v != ""}
-    done = run("trn2_1p1d.sh", env)
+    done = run("launch.sh", env, "trn2.48xlarge")
     assert done.returncode == 1
     assert message in done.stderr and done.stdout == ""  # nothing launched, not even a dry run
 
