@@ -10,6 +10,7 @@ no other block was touched.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Callable
 
 import torch
@@ -39,10 +40,19 @@ def planes(tensor, logical: tuple[str, ...], kernel_block: int) -> list:
     return [view.select(kv_dim, kv).permute(*order) for kv in range(2)]
 
 
+MAX_POSITIONS = 512  # a request's tokens: SRC_BLOCKS of up to 128 tokens each
+
+
+@functools.lru_cache(maxsize=None)
+def _head(layer: int, head: int, width: int, dtype) -> torch.Tensor:
+    """One head's KV at every position: random, the same whichever rank fills or checks it."""
+    gen = torch.Generator().manual_seed(1000 + 1000 * layer + head)
+    return torch.randn(MAX_POSITIONS, width, generator=gen).to(dtype)
+
+
 def expected(layer: int, heads: range, positions: range, width: int, dtype):
-    gen = torch.Generator().manual_seed(1000 + layer)
-    full = torch.randn(64, positions.stop, width, generator=gen).to(dtype)
-    return full[heads.start:heads.stop, positions.start:positions.stop]
+    assert positions.stop <= MAX_POSITIONS
+    return torch.stack([_head(layer, h, width, dtype)[positions.start:positions.stop] for h in heads])
 
 
 def fill(caches: dict, logical, block_tokens: int, kernel_tokens: int, heads: range) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from .vllm_envs import EXTRA, extra_env, run_pytest
 
+pytestmark = pytest.mark.integration  # pytest in the other vLLM environments
+
 
 @pytest.mark.parametrize("version", EXTRA)
 def test_tests_that_import_vllm_pass_on(version):

@@ -15,7 +15,8 @@ import pytest
 
 from neuron_disagg.bench.spinners import idle_cpu_percent, renice_idle_spinners
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+pytestmark = [pytest.mark.integration,  # real process groups
+              pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")]
 
 CHILD = textwrap.dedent("""
     import sys, threading, time

@@ -27,6 +27,8 @@ from neuron_disagg.local_cluster import free_port
 from .conftest import wait_until_serving
 from .test_user_data import shellcheck
 
+pytestmark = pytest.mark.integration  # runs the provisioning scripts, shellcheck and doctor as processes
+
 REPO = Path(__file__).resolve().parents[2]
 AMI = REPO / "ami"
 SCRIPTS = sorted((AMI / "scripts").glob("*.sh"))

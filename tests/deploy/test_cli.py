@@ -21,6 +21,8 @@ from neuron_disagg.deploy.errors import MissingCredentials, PermissionDenied, Qu
 
 from .conftest import REGION, SECRET, subnet_in, write_config
 
+pytestmark = pytest.mark.integration  # moto as a server process, and the installed command
+
 
 @pytest.fixture
 def use_session(monkeypatch, session, instance_profile):

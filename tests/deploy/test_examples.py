@@ -18,6 +18,8 @@ from neuron_disagg.deploy.settings import missing_instance_profile_advice
 
 from .test_user_data import shellcheck
 
+pytestmark = pytest.mark.integration  # runs the example scripts and shellcheck
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 

@@ -22,6 +22,8 @@ from neuron_disagg.deploy.settings import DeploymentConfig
 
 from .conftest import SECRET, write_config
 
+pytestmark = pytest.mark.integration  # runs the boot script in a scratch root, and shellcheck
+
 REPO = Path(__file__).resolve().parents[2]
 HOST_IP = "10.20.1.9"
 

@@ -10,6 +10,8 @@ import pytest
 
 from neuron_disagg import doctor
 
+pytestmark = pytest.mark.integration  # doctor probes NIXL's backends in child processes
+
 SECRET = "s" * 64
 
 

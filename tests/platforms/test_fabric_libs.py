@@ -34,6 +34,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.integration  # a mount namespace in a child process
 def test_without_a_cuda_runtime_the_stub_alone_fails_and_install_fabric_libs_makes_it_load(tmp_path):
     env_dir = libfabric_alone(tmp_path / "efa-lib")
     done = subprocess.run(
@@ -103,6 +104,7 @@ def test_doctor_fails_on_a_neuron_host_until_the_backend_loads(host, lib_dirs, m
     assert check_fabric_libs(NeuronPlatform(root), "UCX").status == "ok"
 
 
+@pytest.mark.integration  # doctor loads NIXL's backend in a child process
 def test_doctor_image_for_neuron_fails_where_libfabric_does_not_load(tmp_path, monkeypatch, capsys):
     """The AMI bake runs `doctor --image --platform neuron` on a builder without Neuron devices."""
     from neuron_disagg import doctor

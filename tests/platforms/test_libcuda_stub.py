@@ -10,6 +10,8 @@ import pytest
 
 from neuron_disagg.platforms import libcuda_stub
 
+pytestmark = pytest.mark.integration  # compiles the stub with the C compiler
+
 
 def test_builds_checks_and_answers_no_device(tmp_path):
     library = libcuda_stub.build(tmp_path / "lib")

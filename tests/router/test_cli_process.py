@@ -4,9 +4,12 @@ id, and exits 0 on SIGTERM."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from .conftest import completion, router_process
 from .fakes import FakeVllm, KvBoard
+
+pytestmark = pytest.mark.integration  # the router in its own process
 
 
 async def test_router_command_serves_and_stops_on_sigterm():

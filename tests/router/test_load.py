@@ -163,6 +163,7 @@ async def _steady(client, url, body, n=STREAMS, over_s=ARRIVALS_S) -> tuple[list
     return list(overheads), peak
 
 
+@pytest.mark.integration  # the router in its own process
 async def test_concurrent_streams_router_in_its_own_process():
     """The router on its own core, streams arriving over a second and each lasting most of one,
     so a few hundred are open at once: the router's cost under sustained concurrency."""

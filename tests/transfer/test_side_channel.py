@@ -182,6 +182,7 @@ print(srv.connections, flush=True)
 """
 
 
+@pytest.mark.integration  # a child process with few descriptors
 def test_out_of_descriptors_the_server_neither_spins_nor_stops_accepting():
     import subprocess
     import sys

@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="installed with vLLM by scripts/setup.sh")
 
+pytestmark = pytest.mark.integration  # builds the model in a child process
+
 
 def test_first_build_prints_only_the_path(tmp_path):
     env = {**os.environ, "NEURON_DISAGG_CACHE": str(tmp_path)}

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
+pytestmark = pytest.mark.integration  # vLLM's plugin loading in a child process
+
 PROBE = r"""
 import json
 from importlib.metadata import entry_points

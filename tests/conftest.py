@@ -1,0 +1,51 @@
+"""Two tiers (README, "Tests"): the fast check, ``pytest -m "not integration"``, and the whole suite.
+
+A test that starts a process, a server process or another environment is marked ``integration``
+(every test under tests/integration is, by its directory). Everything else is the fast tier, and
+two rules keep it fast:
+
+- each of its tests gets ``FAST_TIMEOUT_S`` (a hung one stalls the check for seconds, not the
+  ten minutes integration tests may take);
+- it may not start a process: every way Python starts one (``subprocess`` and ``asyncio``
+  subprocesses, multiprocessing's spawn, ``os.fork``, ``posix_spawn``) fails such a test, naming
+  the marker it needs.
+"""
+
+from __future__ import annotations
+
+import _posixsubprocess
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+FAST_TIMEOUT_S = 30
+INTEGRATION = Path(__file__).parent / "integration"
+#: Fixtures that start processes (moto's server, vLLM servers, NIXL peers): a test using one is an
+#: integration test wherever it lives (a session fixture starts before this module's guard).
+PROCESS_FIXTURES = {"moto_url", "cluster", "routed", "ucx_peers", "fabric"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION in Path(item.fspath).parents or PROCESS_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("integration") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S))
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_start_no_process(request, monkeypatch):
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration "
+                             "(the fast tier runs none)")
+
+    for module, name in ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
+                         (os, "posix_spawn"), (os, "posix_spawnp")):
+        monkeypatch.setattr(module, name, refused)
+    yield
