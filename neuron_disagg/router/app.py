@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..kv_params import ParamsSigner
-from .errors import BadRequest, PayloadTooLarge, RouterError, Unauthorized, UpstreamRejected, error_body
+from .errors import BadRequest, Conflict, PayloadTooLarge, RouterError, Unauthorized, UpstreamRejected, error_body
 from .flows import Flows, RequestContext, RequestLog, logger
 from .health import HealthMonitor
 from .ids import request_id_from_header, transfer_base
@@ -214,6 +214,9 @@ async def _add_instance(request: web.Request) -> web.Response:
     logger.warning("[%s] admin added %s %s", request[REQUEST_ID], inst.role, inst.url)
     if state.health is not None:
         await state.health.check(inst)
+    if inst.role_mismatch:  # it would serve every leg as a plain request
+        state.pool.remove(inst.url)
+        raise Conflict(f"not added: {inst.role_mismatch}", code="role_mismatch")
     return _json(201, inst.describe())
 
 

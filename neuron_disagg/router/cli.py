@@ -17,6 +17,7 @@ from ..config import Config, ConfigError
 from ..kv_params import ParamsSigner
 from ..protocol.wire import WireCodec
 from .instances import Instance, InstanceSpecError, parse_instance_spec
+from .health import RoleMismatch
 from .server import start_router
 from .settings import MODES, RouterSettings
 
@@ -131,5 +132,8 @@ def main(argv: list[str]) -> int:
         asyncio.run(_serve(settings, instances, config, signer, args.host, args.port))
     except OSError as exc:  # e.g. the port is taken
         print(f"neuron-disagg router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    except RoleMismatch as exc:
+        print(f"neuron-disagg router: not started: {exc}", file=sys.stderr)
         return 1
     return 0

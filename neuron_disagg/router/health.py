@@ -1,6 +1,12 @@
-"""Health checks and load scraping: every ``health_interval_s`` each instance gets GET /health
-(failing ``health_failures_to_eject`` in a row ejects it; one success readmits it), and each
-healthy D also GET /metrics, whose vLLM gauges feed the decode choice in ``selection.py``.
+"""Health checks, role checks and load scraping: every ``health_interval_s`` each instance gets
+GET /health (failing ``health_failures_to_eject`` in a row ejects it; one success readmits it) and
+GET /metrics, where our connector says which role the instance runs (``neuron_disagg_role``) and
+vLLM's gauges feed the decode choice in ``selection.py``.
+
+An instance whose connector runs the other role than the router was told (addresses swapped, a
+mistyped port) would serve every leg sent to it as a plain request: it is ejected at once, naming
+both roles, and the router refuses to start with one (``RoleMismatch``). Instances that export no
+role (vLLM's own connectors, in modes vllm-push and vllm-pull) are not checked.
 
 ``server.py`` runs ``HealthMonitor.run`` for the router's lifetime; the admin endpoint calls
 ``check`` once on an instance it just added.
@@ -24,6 +30,29 @@ logger = logging.getLogger("neuron_disagg.router.health")
 # (one per engine with data parallelism). ``*_perc`` is a fraction in 0..1 despite its name.
 _RUNNING, _WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_ROLE = "neuron_disagg_role"  # our connector's: 1 for the role it runs (vllm/stats.py)
+
+
+class RoleMismatch(RuntimeError):
+    """Instances run the other role than the router was told; the message names each."""
+
+
+def parse_roles(text: str) -> set[str]:
+    """The roles a /metrics page says its connector runs (none: not our connector, or unreadable)."""
+    try:
+        return {s.labels.get("role", "") for family in text_string_to_metric_families(text)
+                if family.name == _ROLE for s in family.samples if s.value == 1}
+    except ValueError:
+        return set()
+
+
+def role_mismatch(inst: Instance, roles: set[str]) -> str | None:
+    """Why ``inst`` cannot serve its role, or None (its connector runs it, or says nothing)."""
+    if not roles or inst.role in roles:
+        return None
+    runs = " and ".join(sorted(roles))
+    return (f"{inst.url} was given as {inst.role} (--{inst.role}), but its connector runs as {runs}: "
+            "are the --prefill and --decode addresses swapped?")
 
 
 def parse_engine_load(text: str, now: float) -> EngineLoad | None:
@@ -45,6 +74,7 @@ def parse_engine_load(text: str, now: float) -> EngineLoad | None:
 class HealthMonitor:
     def __init__(self, pool: InstancePool, session: aiohttp.ClientSession, settings: RouterSettings):
         self.pool, self.session, self.settings = pool, session, settings
+        self.check_roles = settings.mode in ("push", "pull")  # our connector's modes
         self._timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s,
                                               sock_connect=min(settings.connect_timeout_s,
                                                                settings.health_timeout_s))
@@ -62,14 +92,15 @@ class HealthMonitor:
     async def check(self, inst: Instance) -> bool:
         """One check of one instance; ejects or readmits it. Returns whether it is healthy now."""
         reason, dead = await self._probe(inst.url + "/health")
+        if reason is None and (self.check_roles or inst.role == "decode"):
+            reason = await self._scrape(inst)
+            dead = reason is not None  # the wrong role: out at once, whatever its health
         if inst.removed:
             return False
         if reason is None:
             inst.failed_checks = 0
             if self.pool.set_health(inst, True):
                 logger.warning("%s %s passed its health check: readmitted", inst.role, inst.url)
-            if inst.role == "decode":
-                await self._scrape(inst)
             return True
         inst.failed_checks += 1
         if dead or inst.failed_checks >= self.settings.health_failures_to_eject:
@@ -91,14 +122,22 @@ class HealthMonitor:
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}: {exc}", False
 
-    async def _scrape(self, inst: Instance) -> None:
+    async def _scrape(self, inst: Instance) -> str | None:
+        """Reads the instance's /metrics: its role (when we check roles) and, for a D, its load.
+        Returns why it cannot serve its role, or None."""
         try:
             async with self.session.get(inst.url + "/metrics", timeout=self._timeout) as resp:
                 if resp.status != 200:
-                    return
+                    return inst.role_mismatch
                 text = await resp.text()
         except (asyncio.TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
-            return  # health decides ejection; a D without usable metrics is chosen by our own counts
-        load = parse_engine_load(text, time.monotonic())
-        if load is not None:
-            inst.engine = load
+            # health decides ejection; a D without usable metrics is chosen by our own counts; a
+            # role seen wrong stays so until a page says otherwise
+            return inst.role_mismatch
+        if self.check_roles:
+            inst.role_mismatch = role_mismatch(inst, parse_roles(text))
+        if inst.role == "decode":
+            load = parse_engine_load(text, time.monotonic())
+            if load is not None:
+                inst.engine = load
+        return inst.role_mismatch

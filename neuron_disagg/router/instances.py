@@ -52,6 +52,7 @@ class Instance:
     last_picked: int = 0        # pick sequence number: ties go to the one picked longest ago
     engine: EngineLoad | None = None
     removed: bool = False
+    role_mismatch: str | None = None  # its connector runs the other role (health.py): why
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "url": self.url, "healthy": self.healthy,
@@ -63,6 +64,8 @@ class Instance:
         if self.engine is not None:
             out["engine"] = {"running": self.engine.running, "waiting": self.engine.waiting,
                              "kv_cache_usage": self.engine.kv_cache_usage}
+        if self.role_mismatch:
+            out["role_mismatch"] = self.role_mismatch
         return out
 
 

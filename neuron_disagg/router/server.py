@@ -17,7 +17,7 @@ from ..kv_params import ParamsSigner
 from ..protocol.wire import WireCodec
 from .app import STATE, build_app
 from .flows import Flows
-from .health import HealthMonitor
+from .health import HealthMonitor, RoleMismatch
 from .legs import Upstream
 from .withdraw import Withdrawals
 from .instances import Instance, InstancePool
@@ -63,6 +63,11 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer, withdrawals)
     state.health = HealthMonitor(state.pool, session, s)
     await state.health.check_all()  # eject what is down before the first request
+    wrong = [inst.role_mismatch for inst in state.pool.all() if inst.role_mismatch]
+    if wrong:  # every leg sent there would be computed as a plain request: refuse to start
+        await session.close()
+        await fresh.close()
+        raise RoleMismatch("; ".join(wrong))
     health_task = asyncio.create_task(state.health.run(), name="router-health")
     try:
         yield
@@ -94,7 +99,11 @@ async def start_router(settings: RouterSettings, instances: Iterable[Instance] =
     # handler_cancellation: a client that disconnects cancels its handler, which closes both legs.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=shutdown_timeout_s)
-    await runner.setup()
+    try:
+        await runner.setup()  # runs the first health and role checks (RoleMismatch)
+    except BaseException:
+        await runner.cleanup()
+        raise
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()

@@ -29,6 +29,8 @@ COUNTS = {
     "messages_rejected": "wire messages refused (signature, version, size, schema)",
     "params_rejected": "requests whose kv_transfer_params were unsigned, forged, expired or malformed "
                        "(served as plain requests)",
+    "params_for_other_role": "requests whose signed kv_transfer_params were for the other role (a router "
+                             "with P and D swapped; served as plain requests)",
     "early_hand_offs": "P prefills handed to the writer when their last forward ended, a step before the "
                        "request's end",
     "connector_bugs": "scheduler-side events no state table allows, or early hand-offs whose blocks differ "
@@ -153,8 +155,13 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             "neuron_disagg_held_blocks", "KV blocks the connector holds for transfers (P: handed to the "
             "writer; D: registered for P's write, or fenced); back to 0 when nothing is in flight",
             labelnames=[*labelnames, "role"], multiprocess_mode="mostrecent")
+        # What the router checks each instance against (router/health.py): 1 for the role it runs.
+        self._role_gauge = self._gauge_cls(
+            "neuron_disagg_role", "the role this instance's connector runs (1): prefill or decode",
+            labelnames=[*labelnames, "role"], multiprocess_mode="mostrecent")
         for labels in per_engine_labelvalues.values():
             self._held.labels(*labels, self._role).set(0)
+            self._role_gauge.labels(*labels, self._role).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

@@ -240,6 +240,49 @@ def test_forged_params_sent_straight_to_decode_are_served_plainly_and_never_cont
         forged_side.close()
 
 
+def test_each_roles_legs_sent_to_the_other_role_are_served_plainly_and_both_engines_live_on(cluster):
+    """A router with P's and D's addresses swapped sends P the decode leg and D the prefill leg, signed
+    alike. Each instance computes its leg as a plain request (monolithic's answer), counts it, and
+    its engine serves on (the crash this replaced: AttributeError on the engine loop, both engines
+    dead)."""
+    text = prompt(50, 91)
+    p_body, d_body = legs(cluster, text, 8)
+    d_body_for_p = {**d_body}
+    p_body_for_d = {**p_body, "max_tokens": 8}
+    before = {i.name: metric(i, "neuron_disagg_params_for_other_role_total") for i in (cluster.p, cluster.d)}
+    want = run(_reference(cluster, text, 8))
+    for instance, sent in ((cluster.p, d_body_for_p), (cluster.d, p_body_for_d)):
+        r = httpx.post(f"{instance.url}/v1/completions", json=sent, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    for instance in (cluster.p, cluster.d):
+        wait_for(lambda: metric(instance, "neuron_disagg_params_for_other_role_total") == before[instance.name] + 1,
+                 30, f"{instance.name} counting the other role's leg")
+        assert httpx.get(f"{instance.url}/health", timeout=10).status_code == 200
+    assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
+    want, got = run(_compare(cluster, [prompt(30, 92)]))  # and disaggregation still works
+    assert got == want
+
+
+def test_a_router_given_prefill_and_decode_swapped_refuses_to_start_naming_both(cluster):
+    """Through the CLI, as a user would start it: each instance's connector says which role it runs
+    (neuron_disagg_role on /metrics), and the router exits before it takes a request."""
+    swapped = router([(cluster.d.url, cluster.p_side)], [cluster.p.url], free_port(), secret=cluster.secret)
+    swapped.start()
+    try:
+        deadline = time.monotonic() + 60
+        while swapped.process.poll() is None:
+            assert time.monotonic() < deadline, f"the router started anyway:\n{swapped.tail()}"
+            time.sleep(0.2)
+        log = swapped.log_path.read_text()
+        assert swapped.process.returncode == 1, log
+        assert f"{cluster.d.url} was given as prefill (--prefill), but its connector runs as decode" in log
+        assert f"{cluster.p.url} was given as decode (--decode), but its connector runs as prefill" in log
+    finally:
+        swapped.stop()
+    assert not [line for line in cluster.p.tail(200).splitlines() if "EngineDeadError" in line]
+
+
 def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
     p_body, _ = legs(cluster, prompt(120, 14), 1)
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200

@@ -82,6 +82,7 @@ class FakeVllm:
         self.dropped = 0                         # requests dropped so (reset_next aside)
         self.health_ok = True
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0  # what /metrics says
+        self.connector_role: str | None = role  # neuron_disagg_role on /metrics (None: not exported)
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -213,6 +214,9 @@ class FakeVllm:
         text = (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {self.running}\n"
                 f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{labels} {self.waiting}\n"
                 f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{labels} {self.kv_usage}\n")
+        if self.connector_role is not None:
+            role = f'{{engine="0",model_name="fake-model",role="{self.connector_role}"}}'
+            text += f"# TYPE neuron_disagg_role gauge\nneuron_disagg_role{role} 1.0\n"
         return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
