@@ -9,8 +9,12 @@ Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "tran
                     or, for a list of prompts, "offers": [...], one per distinct prompt (each names
                     its prompt's transfer; the connector takes the one for its own)
 
-Every set the router writes is signed (``ParamsSigner``): it also carries "expires_ms" and
-"signature", an HMAC-SHA256 under the deployment secret of all its other fields. vLLM's HTTP port
+Every set the router writes is signed (``ParamsSigner``): it also carries "prompts" (how many
+distinct prompts the HTTP request has), "expires_ms" and "signature", an HMAC-SHA256 under the
+deployment secret of all its other fields. A set is good for the prompts of one HTTP request: the
+connector remembers each set it acted on until it expires (``vllm/legs.py``, ``SingleUse``), and a
+request that brings it again with another prompt, or with the same one later, runs as a plain
+request and is counted (``neuron_disagg_params_replayed_total``). vLLM's HTTP port
 takes ``kv_transfer_params`` from whoever reaches it, so the connector acts only on verified ones;
 anything else — unsigned, altered, signed with another secret, expired — runs as a plain request,
 computed where it arrived, and is counted (``neuron_disagg_params_rejected_total``). A forged
@@ -83,20 +87,22 @@ class ParamsSigner:
 
 
 # -- the router writes ------------------------------------------------------------------------------
-def prefill(signer: ParamsSigner, mode: Literal["push", "pull"], transfer_id: str) -> dict[str, Any]:
-    return signer.sign({KEY: VERSION, "role": "prefill", "mode": mode, "transfer_id": transfer_id})
+def prefill(signer: ParamsSigner, mode: Literal["push", "pull"], transfer_id: str, prompts: int = 1) -> dict[str, Any]:
+    return signer.sign({KEY: VERSION, "role": "prefill", "mode": mode, "transfer_id": transfer_id,
+                        "prompts": prompts})
 
 
-def push_decode(signer: ParamsSigner, transfer_id: str, p_side_channel: str, p_tp_size: int) -> dict[str, Any]:
+def push_decode(signer: ParamsSigner, transfer_id: str, p_side_channel: str, p_tp_size: int,
+                prompts: int = 1) -> dict[str, Any]:
     return signer.sign({KEY: VERSION, "role": "decode", "mode": "push", "transfer_id": transfer_id,
-                        "p_side_channel": p_side_channel, "p_tp_size": p_tp_size})
+                        "p_side_channel": p_side_channel, "p_tp_size": p_tp_size, "prompts": prompts})
 
 
 def pull_decode(signer: ParamsSigner, transfer_id: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
     """``answers``: what each of P's legs answered (``prefill_answer``; one per distinct prompt)."""
     offers = [answer["offer"] for answer in answers]
     return signer.sign({KEY: VERSION, "role": "decode", "mode": "pull", "transfer_id": transfer_id,
-                        "offers": offers})
+                        "offers": offers, "prompts": len(offers)})
 
 
 # -- the connector writes, on P in pull mode, into its response ---------------------------------------
@@ -106,6 +112,9 @@ def prefill_answer(offer_frame_b64: str) -> dict[str, Any]:
 
 # -- the connector reads ----------------------------------------------------------------------------
 
+MAX_PROMPTS = 4096
+
+
 @dataclass(frozen=True)
 class LegParams:
     role: Literal["prefill", "decode"]
@@ -114,6 +123,9 @@ class LegParams:
     p_side_channel: str = ""
     p_tp_size: int = 1
     offers: tuple[str, ...] = ()  # base64 signed PullOffers (pull, decode leg)
+    prompts: int = 1              # distinct prompts of the HTTP request these params were signed for
+    signature: str = ""           # names this signed set (SingleUse)
+    expires_at: float = 0.0       # Unix seconds
 
 
 def parse_transfer_id(text: str) -> TransferId:
@@ -128,19 +140,24 @@ def parse(params: dict[str, Any] | None, signer: ParamsSigner, now: float | None
     Raises BadTransferParams for ours that are unsigned, forged, expired or malformed."""
     if not params or KEY not in params:
         return None
+    signed = {"signature": str(params.get("signature")), "expires_at": params.get("expires_ms", 0) / 1000}
     params = signer.verify(params, now)
     role, mode = params.get("role"), params.get("mode", "push")
     if role not in ("prefill", "decode") or mode not in ("push", "pull"):
         raise BadTransferParams(f"kv_transfer_params role={role!r} mode={mode!r} is not supported")
     tid = parse_transfer_id(params.get("transfer_id", ""))
+    prompts = params.get("prompts", 1)
+    if not isinstance(prompts, int) or isinstance(prompts, bool) or not 1 <= prompts <= MAX_PROMPTS:
+        raise BadTransferParams(f"kv_transfer_params prompts={prompts!r} is not a count of 1..{MAX_PROMPTS}")
+    signed["prompts"] = prompts
     if role == "decode" and mode == "push":
         side = params.get("p_side_channel", "")
         if ":" not in str(side):
             raise BadTransferParams("a push decode leg needs p_side_channel 'host:port'")
-        return LegParams(role, mode, tid, str(side), int(params.get("p_tp_size", 1)))
+        return LegParams(role, mode, tid, str(side), int(params.get("p_tp_size", 1)), **signed)
     if role == "prefill":
-        return LegParams(role, mode, tid)
+        return LegParams(role, mode, tid, **signed)
     offers = params.get("offers", [params["offer"]] if params.get("offer") else [])
     if not isinstance(offers, list) or not offers or not all(isinstance(o, str) and o for o in offers):
         raise BadTransferParams("a pull decode leg needs the prefill's offer (or offers, one per prompt)")
-    return LegParams(role, mode, tid, offers=tuple(offers))
+    return LegParams(role, mode, tid, offers=tuple(offers), **signed)

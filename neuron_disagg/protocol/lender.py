@@ -48,7 +48,7 @@ LENDER_TABLE: dict[tuple[LState, LEvent], Rule] = {
     (_L.NEW, _LE.OFFER): Rule(_L.HELD, (_LF.ARM_LEASE,)),
     (_L.HELD, _LE.CONFIRMED): Rule(None),
     (_L.HELD, _LE.ALL_CONFIRMED): Rule(_L.RELEASED, (_LF.FREE_BLOCKS,)),
-    (_L.HELD, _LE.EXPIRED): Rule(_L.EXPIRED, (_LF.FREE_BLOCKS, _LF.FAIL), "no decode read the KV within its lease"),
+    (_L.HELD, _LE.EXPIRED): Rule(_L.EXPIRED, (_LF.FREE_BLOCKS, _LF.FAIL), "lease expired: no decode read the KV within its lease"),
     (_L.HELD, _LE.ABORT): Rule(None, (_LF.DROP,)),  # a reader may be mid-READ: the lease decides
     (_L.HELD, _LE.SUPERSEDED): Rule(None),          # likewise
     (_L.NEW, _LE.SUPERSEDED): Rule(_L.RELEASED, (), "superseded by a newer attempt"),

@@ -28,7 +28,7 @@ from .instances import Instance, InstancePool, Role
 from .legs import DecodeLeg, Upstream, prefill_leg
 from .withdraw import Withdrawals
 from .metrics import RouterMetrics
-from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, pull_decode_params,
+from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, prompt_count, pull_decode_params,
                        push_decode_params, require_signer)
 from ..kv_params import ParamsSigner
 from ..timeline import Timeline
@@ -130,7 +130,7 @@ class Flows:
             ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
             p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode))
             d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
-                req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path))
+                req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path, prompt_count(req.body)))
             d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
             committed = False
             try:

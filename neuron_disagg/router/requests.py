@@ -149,8 +149,14 @@ def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str, signer: Param
     if mode.startswith("vllm-"):  # vLLM's connectors match P and D by the X-Request-Id header
         body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
     else:
-        body["kv_transfer_params"] = kv_params.prefill(require_signer(signer), mode, transfer_id)
+        body["kv_transfer_params"] = kv_params.prefill(require_signer(signer), mode, transfer_id,
+                                                       prompt_count(req.body))
     return body
+
+
+def prompt_count(body: dict[str, Any]) -> int:
+    """The distinct prompts of a request: what its signed params are good for (kv_params)."""
+    return len(distinct_prompts(body) or [body])
 
 
 def decode_body(req: ClientRequest, params: dict[str, Any]) -> dict[str, Any]:
@@ -166,13 +172,13 @@ def vllm_request_id(path: str, x_request_id: str) -> str:
 
 
 def push_decode_params(mode: Mode, transfer_id: str, p_side_channel: str, p_tp: int, signer: ParamsSigner | None,
-                       p_engine_id: str | None = None, path: str = "/v1/completions") -> dict[str, Any]:
+                       p_engine_id: str | None = None, path: str = "/v1/completions", prompts: int = 1) -> dict[str, Any]:
     if mode == "vllm-push":  # vLLM's D crashes its engine without remote_request_id
         host, _, port = p_side_channel.rpartition(":")
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p_engine_id,
                 "remote_request_id": vllm_request_id(path, transfer_id),
                 "remote_host": host.strip("[]"), "remote_port": int(port), "tp_size": p_tp}
-    return kv_params.push_decode(require_signer(signer), transfer_id, p_side_channel, p_tp)
+    return kv_params.push_decode(require_signer(signer), transfer_id, p_side_channel, p_tp, prompts)
 
 
 def pull_decode_params(mode: Mode, transfer_id: str, p_params: list[dict[str, Any]],

@@ -148,6 +148,7 @@ class PullLender(TransferThread):
         self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()  # by reason, for metrics (a lease that ran out)
         self._handlers.update({
             Lend: lambda item, now: self._perform(self.core.offer(item.offer, now)),
             Deliver: self._message,
@@ -179,6 +180,7 @@ class PullLender(TransferThread):
     def _failed(self, action: FailTransfer) -> None:
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
         self.stats["failed"] += 1
+        self.failures[action.reason.split(":")[0]] += 1
 
     def _poll(self) -> None:
         for sender, frame in self.transport.notifications():

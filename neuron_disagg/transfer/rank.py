@@ -190,7 +190,7 @@ class Rank:
         totals["registrations_rejected"] += t["registration_rejected"]
         totals["writes_planned_ahead"] = self.push.core.counters["write_planned_ahead"]
         totals["writes_prepared_ahead"] = t["prepared_posted"]
-        failures = Counter(self.push.failures)
+        failures = Counter(self.push.failures) + Counter(self.pull.failures)  # both hold KV under a lease
         totals["lease_expiries"] = failures["lease expired"]
         return totals, failures, self.push.writes.done_seconds
 

@@ -21,6 +21,7 @@ import array
 import enum
 import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,12 +34,52 @@ from .metadata import StepMetadata
 log = logging.getLogger(__name__)
 #: Transfers remembered after their owner ended, for siblings that come later (a few hundred bytes each).
 ENDED_KEPT = 16384
+#: Signed param sets remembered until they expire (``SingleUse``); past this, the oldest go first.
+USES_KEPT = 65536
+#: An engine request that repeats a prompt its params were already used for is a sibling (a sample
+#: of ``n`` > 1) if it arrived within this long of the first: vLLM adds one HTTP request's engine
+#: requests together. Later, it is a replay.
+SIBLING_WINDOW_S = 10.0
 
 
 def transfer_key(transfer_id: TransferId, prompt_token_ids) -> TransferId:
     """The transfer of one engine request: the router's transfer id and its prompt's digest."""
     digest = hashlib.blake2b(array.array("q", prompt_token_ids).tobytes(), digest_size=6).hexdigest()
     return TransferId(transfer_id.request, transfer_id.attempt, prompt=digest)
+
+
+@dataclass
+class _Use:
+    first_arrival: float
+    prompts: set[str]
+
+
+class SingleUse:
+    """Signed params are good for the prompts of one HTTP request (``kv_params``). Remembers, until
+    they expire, each set acted on and the prompts it was used for: another prompt beyond the
+    count the router signed, or a prompt already used arriving later than its siblings would, is a
+    replay (a captured set sent again to make P hold KV no D will take)."""
+
+    def __init__(self, kept: int = USES_KEPT):
+        self._uses: OrderedDict[str, _Use] = OrderedDict()  # signature -> its use; oldest first
+        self._expiry: dict[str, float] = {}
+        self._kept = kept
+
+    def admit(self, params: leg_params.LegParams, prompt: str, arrived: float, now: float) -> bool:
+        while self._uses and self._expiry[next(iter(self._uses))] < now:  # signed with one TTL: in order
+            self._expiry.pop(self._uses.popitem(last=False)[0])
+        use = self._uses.get(params.signature)
+        if use is None:
+            self._uses[params.signature], self._expiry[params.signature] = _Use(arrived, {prompt}), params.expires_at
+            if len(self._uses) > self._kept:
+                self._expiry.pop(self._uses.popitem(last=False)[0])
+            return True
+        if prompt in use.prompts:  # a sample of a prompt taken (n > 1), or the same request again
+            return arrived - use.first_arrival <= SIBLING_WINDOW_S
+        if len(use.prompts) < params.prompts:  # another prompt of the request's list
+            use.prompts.add(prompt)
+            return True
+        return False
 
 
 class LegEvent(enum.Enum):
@@ -93,6 +134,7 @@ class SchedulerSide:
         # Transfers whose owner ended (D: its load over; P: its blocks handed over), oldest first,
         # with what P answered in pull mode: a sibling arriving after that uses what the owner brought.
         self.ended: OrderedDict[TransferId, dict[str, Any] | None] = OrderedDict()
+        self.uses = SingleUse()
         self.counts: Counter[str] = Counter()  # metrics (stats.COUNTS) since the last report
         self.unexpected: Counter[str] = Counter()  # transitions missing from the table (bugs)
         self._step = StepMetadata()
@@ -118,8 +160,12 @@ class SchedulerSide:
         if request.prompt_token_ids is None:  # prompt embeddings: nothing to name the KV by
             return self._refuse(request, "params_rejected", "a prompt given as embeddings")
         key = transfer_key(parsed.transfer_id, request.prompt_token_ids)
-        leg = self.legs[request.request_id] = self._new_leg(request, parsed, key)
+        now = time.time()
         arrived = getattr(request, "arrival_time", None)
+        if not self.uses.admit(parsed, key.prompt, now if arrived is None else arrived, now):
+            return self._refuse(request, "params_replayed", f"kv_transfer_params of transfer {parsed.transfer_id} "
+                                "were already used by another request (signed params are good for one request)")
+        leg = self.legs[request.request_id] = self._new_leg(request, parsed, key)
         if arrived is not None:
             self.timeline.mark(key, f"{self.role[0]}_arrived", arrived)
         return leg

@@ -29,6 +29,8 @@ COUNTS = {
     "messages_rejected": "wire messages refused (signature, version, size, schema)",
     "params_rejected": "requests whose kv_transfer_params were unsigned, forged, expired or malformed "
                        "(served as plain requests)",
+    "params_replayed": "requests whose signed kv_transfer_params another request had already used (served as "
+                       "plain requests): params are good for the prompts of one HTTP request",
     "params_for_other_role": "requests whose signed kv_transfer_params were for the other role (a router "
                              "with P and D swapped; served as plain requests)",
     "early_hand_offs": "P prefills handed to the writer when their last forward ended, a step before the "
@@ -43,7 +45,7 @@ COUNTS = {
                         "landing_wait_s) so that it, not the next step, reported them",
     "landing_wait_us": "D: time the engine loop spent in those waits, microseconds (steps that compute nothing; "
                        "not in neuron_disagg_connector_step_seconds)",
-    "lease_expiries": "P leases that expired with no registration or heartbeat",
+    "lease_expiries": "P leases that expired: push with no registration or heartbeat, pull with no read",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
     "push_thread_cpu_us": "CPU time of the push thread (P: the writer; D: the receiver), microseconds",
     "pull_thread_cpu_us": "CPU time of the pull thread (P: the lender; D: the reader), microseconds",

@@ -283,6 +283,27 @@ def test_a_router_given_prefill_and_decode_swapped_refuses_to_start_naming_both(
     assert not [line for line in cluster.p.tail(200).splitlines() if "EngineDeadError" in line]
 
 
+def test_a_captured_prefill_leg_replayed_with_another_prompt_is_served_plainly_and_holds_nothing(cluster):
+    """Signed params are good for one request's prompts: P answers a replay (the router's P leg with
+    another prompt) as a plain request, counts it, and holds none of its KV — no lease to wait out."""
+    want, got = run(_compare(cluster, [prompt(60, 93)]))
+    assert got == want
+    p_body, _ = legs(cluster, prompt(60, 94), 1)
+    assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
+    replayed = metric(cluster.p, "neuron_disagg_params_replayed_total")
+    expiries = metric(cluster.p, "neuron_disagg_lease_expiries_total")
+    wait_for(lambda: kv_usage(cluster.p) > 0, 10, "P holding the first request's KV for its D")
+    r = httpx.post(f"{cluster.p.url}/v1/completions", json={**p_body, "prompt": prompt(300, 95)}, timeout=60)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_params_replayed_total") == replayed + 1, 30,
+             "P counting the replay")
+    blocks_back(cluster, timeout_s=TIMEOUTS["lease_s"] + 5)  # the first leg's lease, not the replay's
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_lease_expiries_total") >= expiries + 1, 10,
+             "the first leg's lease expiry counted")
+    time.sleep(2)  # stats reach /metrics within a step or two: a second expiry would show by now
+    assert metric(cluster.p, "neuron_disagg_lease_expiries_total") == expiries + 1  # the first leg's only
+
+
 def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
     p_body, _ = legs(cluster, prompt(120, 14), 1)
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200

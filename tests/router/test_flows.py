@@ -25,9 +25,9 @@ async def test_push_sends_both_legs_at_once_under_one_transfer_id():
         assert dr.at < pr.finished_at
         tid = pr.transfer_id
         assert tid and tid.endswith("#0") and tid.split("#")[0] == headers["X-Request-Id"]
-        assert pr.params == {"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid}
+        assert pr.params == {"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": tid, "prompts": 1}
         assert dr.params == {"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": tid,
-                             "p_side_channel": "127.0.0.1:5600", "p_tp_size": 1}
+                             "p_side_channel": "127.0.0.1:5600", "p_tp_size": 1, "prompts": 1}
         assert pr.body["max_tokens"] == 1 and pr.body["stream"] is False
         assert dr.body["max_tokens"] == 7 and "stream" not in dr.body
         assert pr.headers["X-Request-Id"] == tid == dr.headers["X-Request-Id"]
@@ -41,9 +41,9 @@ async def test_pull_sends_decode_after_prefill_with_prefills_params():
         pr, dr = p.requests[0], d.requests[0]
         assert pr.finished_at is not None and dr.at >= pr.finished_at
         tid = pr.transfer_id
-        assert pr.params == {"neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid}
+        assert pr.params == {"neuron_disagg": 1, "role": "prefill", "mode": "pull", "transfer_id": tid, "prompts": 1}
         assert dr.params == {"neuron_disagg": 1, "role": "decode", "mode": "pull", "transfer_id": tid,
-                             "offers": [p.pull_params(completion()["prompt"])["offer"]]}
+                             "offers": [p.pull_params(completion()["prompt"])["offer"]], "prompts": 1}
 
 
 async def test_pull_with_a_prompt_list_carries_every_distinct_prompts_offer_to_decode():

@@ -19,9 +19,11 @@ BLOCK = 16
 TID = "req.1#0"
 # Signed once, at collection: they must outlive a whole test run (the signer's TTL is checked).
 SIGNER = ParamsSigner(b"scheduler-side-tests-secret-0123456789", ttl_s=7 * 86400)
+# For a request of up to PROMPTS distinct prompts (the tests' prompt lists).
+PROMPTS = 3
 PUSH_D = SIGNER.sign({"neuron_disagg": 1, "role": "decode", "mode": "push", "transfer_id": TID,
-                      "p_side_channel": "127.0.0.1:1", "p_tp_size": 1})
-PUSH_P = SIGNER.sign({"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": TID})
+                      "p_side_channel": "127.0.0.1:1", "p_tp_size": 1, "prompts": PROMPTS})
+PUSH_P = SIGNER.sign({"neuron_disagg": 1, "role": "prefill", "mode": "push", "transfer_id": TID, "prompts": PROMPTS})
 
 
 def request(request_id, tokens, params, status="RUNNING"):
@@ -192,6 +194,48 @@ def test_a_leg_for_the_other_role_runs_as_a_plain_request_and_is_counted(side, p
     assert not instance.build_connector_meta(step(new={"0": (0, [5, 6, 7])}, scheduled={"0": 40}))
     assert not instance.legs and not instance.unexpected
     assert instance.stats()["counts"] == {"params_for_other_role": 1}
+
+
+@pytest.mark.parametrize("side", [DecodeScheduler, PrefillScheduler])
+def test_params_are_good_for_one_requests_prompts_and_a_replay_runs_plainly(side):
+    """A captured set sent again with another prompt (past the count the router signed), or with the
+    same prompt later than a sibling would come, is computed here and counted: it moves no KV and
+    makes P hold none. Siblings of the request itself (prompt lists, n > 1) keep working."""
+    instance = side(BLOCK, SIGNER)
+    params = PUSH_D if side is DecodeScheduler else PUSH_P
+    t0 = 1000.0
+    prompts = [range(1 + 50 * i, 41 + 50 * i) for i in range(PROMPTS + 1)]
+    for i, tokens in enumerate(prompts[:PROMPTS]):  # the request's own prompt list
+        r = one_token_request(f"{i}_r", tokens=tokens, params=params)
+        r.arrival_time = t0
+        instance.get_num_new_matched_tokens(r, 0)
+        assert f"{i}_r" in instance.legs
+    sample = one_token_request("0_s", tokens=prompts[0], params=params)  # n > 1: a sample of prompt 0
+    sample.arrival_time = t0 + 0.01
+    instance.get_num_new_matched_tokens(sample, 0)
+    assert "0_s" in instance.legs
+    another = one_token_request("x", tokens=prompts[PROMPTS], params=params)  # one prompt too many
+    later = one_token_request("y", tokens=prompts[1], params=params)  # prompt 1 again, a minute on
+    another.arrival_time, later.arrival_time = t0 + 5, t0 + 60
+    for replay in (another, later):
+        assert instance.get_num_new_matched_tokens(replay, 0) == (0, False)
+        assert replay.request_id not in instance.legs
+    assert instance.stats()["counts"] == {"params_replayed": 2}
+
+
+def test_used_params_are_forgotten_once_they_expire_and_memory_is_bounded():
+    from neuron_disagg import kv_params
+    from neuron_disagg.vllm.legs import SingleUse
+
+    uses = SingleUse(kept=2)
+    first = kv_params.LegParams("decode", "push", TransferId("a"), signature="s1", expires_at=100.0)
+    assert uses.admit(first, "p", arrived=0.0, now=0.0)
+    assert not uses.admit(first, "q", arrived=1.0, now=1.0)
+    assert uses.admit(first, "q", arrived=101.0, now=101.0)  # expired: would not verify anyway
+    for n in range(2, 6):
+        uses.admit(kv_params.LegParams("decode", "push", TransferId("a"), signature=f"s{n}", expires_at=1e12),
+                   "p", arrived=102.0, now=102.0)
+    assert len(uses._uses) == 2
 
 
 # -- every row of both tables, reached through vLLM's calls only -------------------------------------
