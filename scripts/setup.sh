@@ -38,16 +38,35 @@ assert "UCX" in agent.backends, f"NIXL's UCX backend did not load: {agent.backen
 print(f"neuron-disagg {neuron_disagg.__version__} ready in .venv: vllm {md.version('vllm')}, "
       f"nixl {md.version('nixl')}, torch {md.version('torch')}")
 PY
-# NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
-# cached build of libfabric 2.1.0 and friends, a few minutes the first time. The demo does not need
-# it, so a machine that cannot build it (no root for apt) still gets a working demo; the LIBFABRIC
-# tests then fail saying why.
-if ! bash scripts/libfabric.sh; then
+# The rest runs at once, each job's lines prefixed with its name: mostly downloads and unpacking,
+# which overlap well even on 2 cores (measured: see README).
+# - NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
+#   cached build of libfabric 2.1.0 and friends, a few minutes the first time. The demo does not
+#   need it, so a machine that cannot build it (no root for apt) still gets a working demo; the
+#   LIBFABRIC tests then fail saying why.
+# - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
+#   Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs
+#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable). The demo needs neither.
+job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
+  local name=$1
+  shift
+  "$@" > >(sed -u "s/^/[$name] /") 2> >(sed -u "s/^/[$name] /" >&2) &
+  jobs+=("$name:$!")
+}
+jobs=()
+job libfabric bash scripts/libfabric.sh
+for version in 0.29.0 0.24.0; do
+  job "vllm $version" env NEURON_DISAGG_DEFER_HARDLINK=1 bash scripts/vllm_env.sh "$version"
+done
+failed=()
+for entry in "${jobs[@]}"; do
+  name=${entry%%:*}
+  wait "${entry##*:}" || failed+=("$name")
+done
+if [[ " ${failed[*]} " == *" libfabric "* ]]; then
   echo "setup.sh: warning: scripts/libfabric.sh failed; the LIBFABRIC transfer tests will fail" >&2
 fi
-# The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
-# Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs on
-# PyPI's CUDA build of torch 2.11, the only 2.11 reachable). The demo needs neither.
-for version in 0.29.0 0.24.0; do
-  bash scripts/vllm_env.sh "$version"
+for name in "${failed[@]}"; do
+  [[ "$name" == libfabric ]] || { echo "setup.sh: $name failed (its lines above say why)" >&2; exit 1; }
 done
+bash scripts/vllm_env.sh --hardlink

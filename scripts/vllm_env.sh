@@ -12,6 +12,22 @@
 # Idempotent: a second run with everything in place checks imports and returns in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The environments share most large files (torch 2.13.0 and triton between 0.32 and 0.29, NIXL's
+# libraries, llvmlite, ...): one copy of each, hard-linked, saves about 4 GiB of the 14.6 the three
+# took unshared. Only files of equal content and mode are linked, and pip replaces files rather
+# than writing into them, so one environment's upgrade leaves the others as they were.
+share_files() {
+  local environments=() dir
+  for dir in .venv .venv-vllm-*; do [ -d "$dir" ] && environments+=("$dir"); done
+  if command -v hardlink > /dev/null; then
+    hardlink -q -t -s 256K "${environments[@]}" || echo "vllm_env.sh: hardlink failed; nothing shared" >&2
+  fi
+}
+if [ "${1:-}" = --hardlink ]; then  # setup.sh, once every environment is built
+  share_files
+  exit 0
+fi
 VERSION=${1:?usage: scripts/vllm_env.sh VLLM_VERSION (e.g. 0.29.0)}
 PYTHON=${PYTHON:-python3}
 VENV=.venv-vllm-$VERSION
@@ -67,12 +83,6 @@ pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=
 "$py" scripts/vllm_cpu_fixups.py > /dev/null
 check
 touch "$STAMP"
-# The environments share most large files (torch 2.13.0 and triton between 0.32 and 0.29, NIXL's
-# libraries, llvmlite, ...): one copy of each, hard-linked, saves about 4 GiB of the 14.6 the three
-# took unshared. Only files of equal content and mode are linked, and pip replaces files rather
-# than writing into them, so one environment's upgrade leaves the others as they were.
-environments=()
-for dir in .venv .venv-vllm-*; do [ -d "$dir" ] && environments+=("$dir"); done
-if command -v hardlink > /dev/null; then
-  hardlink -q -t -s 256K "${environments[@]}" || echo "vllm_env.sh: hardlink failed; nothing shared" >&2
-fi
+# setup.sh builds several at once and shares their files once all are done: linking one while
+# another is being written could compare half a file.
+[ -n "${NEURON_DISAGG_DEFER_HARDLINK:-}" ] || share_files

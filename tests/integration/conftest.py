@@ -22,10 +22,24 @@ def ucx_peers():
         yield start
 
 
+def pytest_collection_modifyitems(config, items):
+    """On the other vLLM environments only what differs between versions runs: tests marked
+    ``every_vllm`` (how each vLLM fans requests out, validates, streams, reports failed loads and
+    metrics). Everything else — our threads, protocol and faults, which no vLLM version changes —
+    runs on ./.venv's vLLM alone."""
+    kept, dropped = [], []
+    for item in items:
+        param = getattr(getattr(item, "callspec", None), "params", {}).get("cluster", "main")
+        (kept if param == "main" or item.get_closest_marker("every_vllm") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(scope="package", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
 def cluster(request):
     """A monolithic reference, P and D of one vLLM environment (tests/vllm_envs.py), shared by the
-    vLLM-level test modules: ./.venv's vLLM (0.32), then 0.29's."""
+    vLLM-level test modules: ./.venv's vLLM (0.32), then 0.29's (``every_vllm`` tests only)."""
     pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
     from .vllm_cluster import running
 

@@ -30,6 +30,7 @@ from .vllm_cluster import (  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster):
     texts = [prompt(3, 1), prompt(40, 2), prompt(300, 3), prompt(1200, 4)]
     want, got = run(_compare(cluster, texts))
@@ -45,6 +46,7 @@ def test_several_requests_in_flight(cluster):
     blocks_back(cluster)
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_partial_prefix_hit_on_decode(cluster):
     shared = prompt(200, 5)  # several blocks D will hold in its prefix cache after the first request
     first, second = shared + " river", shared + " ocean city music garden"
@@ -55,6 +57,7 @@ def test_partial_prefix_hit_on_decode(cluster):
     blocks_back(cluster)
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_client_aborts_before_registration_during_transfer_and_decode(cluster):
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -86,6 +89,7 @@ def test_client_aborts_before_registration_during_transfer_and_decode(cluster):
     assert got == want
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_decode_leg_without_a_live_prefill_is_recomputed_within_the_watchdog_bound(cluster):
     """P is gone (nothing listens on its side channel): D computes the prompt itself once its
     watchdog gives up on P (kv_load_failure_policy: recompute, the default) — monolithic's answer,
@@ -123,6 +127,7 @@ def failing_decode(cluster):
         instance.stop()
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_watchdog_bound(cluster, failing_decode):
     """kv_load_failure_policy: fail. Straight to D (with the X-Request-Id the router sends) and
     through the router, streaming and not: an error within the bound that says why the KV did not
@@ -312,6 +317,7 @@ def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluste
     assert waited <= TIMEOUTS["lease_s"] + 5
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed):
     async def scenario():
         texts = [prompt(30, 21), prompt(400, 22), prompt(75, 23)]
@@ -375,6 +381,7 @@ def test_a_registration_that_came_first_is_planned_and_built_during_the_last_for
     blocks_back(cluster)
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_connector_metrics_appear_on_vllm_metrics(cluster):
     awaited = metric(cluster.d, "neuron_disagg_landings_awaited_total")
     want, got = run(_compare(cluster, [prompt(60, 31)]))
@@ -397,6 +404,7 @@ def test_connector_metrics_appear_on_vllm_metrics(cluster):
     wait_for(lambda: metric(cluster.d, "neuron_disagg_connector_step_seconds_count") > 0, 30, "step timing")
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_a_pull_read_that_fails_with_nothing_landed_is_recomputed_not_decoded(cluster):
     """D's read fails before a byte lands: P's offer names an agent D cannot reach (its handshake
     fails). D must compute the prompt itself and answer as monolithic does. The reader used to end
@@ -436,6 +444,7 @@ def test_a_pull_read_that_fails_with_nothing_landed_is_recomputed_not_decoded(cl
     blocks_back(cluster)  # P's offer, read by nobody, ends with its lease
 
 
+@pytest.mark.every_vllm  # what differs between vLLM versions
 def test_pull_mode_equals_monolithic_directly_and_through_the_router(cluster, routed):
     async def scenario():
         texts = [prompt(45, 41), prompt(350, 42)]

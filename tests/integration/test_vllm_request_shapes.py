@@ -87,6 +87,7 @@ TOKENS_A = [11 + (7 * i) % 300 for i in range(70)]
 TOKENS_B = [23 + (11 * i) % 400 for i in range(45)]
 
 
+@pytest.mark.every_vllm  # how each vLLM fans a request out and validates it
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [
     {"n": 2}, {"n": 3, "max_tokens": 5},
@@ -134,6 +135,7 @@ def test_prompt_logprobs_are_refused_up_front_naming_the_parameter(cluster, rout
     assert r.status_code == 400 and parameter in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.every_vllm  # how each vLLM fans a request out and validates it
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("body,parameter", [
     (completion(prompt(40, 112), max_tokens=3, min_tokens=5), "min_tokens"),
@@ -192,6 +194,7 @@ def test_legs_sent_again_after_their_transfer_ended_are_answered_at_once_and_hol
     assert freed < PATIENT["lease_s"] * 0.75, f"P held the repeated leg's KV {freed:.1f} s (its lease: {PATIENT['lease_s']} s)"
 
 
+@pytest.mark.every_vllm  # how each vLLM fans a request out and validates it
 @pytest.mark.parametrize("mode", MODES)
 def test_best_of_gives_monolithic_answers(cluster, routed, mode):
     """P computes the prompt once (the router sends it neither n nor best_of); D samples best_of."""
