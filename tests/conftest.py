@@ -1,8 +1,10 @@
-"""Two tiers (README, "Tests"): the fast check, ``pytest -m "not integration"``, and the whole suite.
+"""Two tiers (README): the fast check, ``pytest -m "not integration and not slow"``, and the whole
+suite.
 
 A test that starts a process, a server process or another environment is marked ``integration``
-(every test under tests/integration is, by its directory). Everything else is the fast tier, and
-two rules keep it fast:
+(every test under tests/integration is, by its directory); one that runs in-process but for
+seconds by design (a load test, a long property or simulation run) is marked ``slow``. Every test
+not marked ``integration`` follows two rules:
 
 - each of its tests gets ``FAST_TIMEOUT_S`` (a hung one stalls the check for seconds, not the
   ten minutes integration tests may take);

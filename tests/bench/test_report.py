@@ -34,6 +34,7 @@ def test_ratios_are_to_the_reference_connector_and_monolithic_at_the_same_point(
     assert rows[("vllm-push", 1.0)]["ttft_p50_vs_reference"] is None  # it did not run
 
 
+@pytest.mark.slow  # matplotlib renders every plot
 def test_files_written(tmp_path):
     written = report.write(RESULTS, {"model": "tiny", "prompts": 8, "output_len": 32, "burstiness": 1.0}, tmp_path)
     names = {p.name for p in written}

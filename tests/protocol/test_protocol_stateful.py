@@ -8,6 +8,7 @@ bytes D hands to decode are exactly P's KV for those positions, including after 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -335,4 +336,4 @@ class PushProtocol(RuleBasedStateMachine):
 PushProtocol.TestCase.settings = settings(
     max_examples=int(__import__("os").environ.get("STATEFUL_EXAMPLES", "150")),
     stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-TestPushProtocol = PushProtocol.TestCase
+TestPushProtocol = pytest.mark.slow(PushProtocol.TestCase)  # 150 random runs of 60 steps

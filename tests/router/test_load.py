@@ -103,6 +103,7 @@ def _enough_file_descriptors():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow  # hundreds of streams
 async def test_concurrent_streams_in_process_no_leaks():
     sockets_before, tasks_before = _socket_fds(), _tasks()
     client = _client()

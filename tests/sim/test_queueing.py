@@ -31,6 +31,7 @@ def pooled_wait(profile, rho: float) -> tuple[float, float]:
     return sum(m for m, _ in runs) / 3, runs[0][1]
 
 
+@pytest.mark.slow  # 45,000 simulated requests
 @pytest.mark.parametrize("rho", [0.5, 0.75])
 def test_md1_mean_wait_matches_closed_form(bare, rho):
     measured, expected = pooled_wait(bare, rho)
