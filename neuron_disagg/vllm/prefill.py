@@ -20,6 +20,7 @@ from typing import Any
 from .. import kv_params as leg_params
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
+from . import compat
 from .legs import END, Leg, LegEvent, SchedulerSide
 from .metadata import Abort, HandOff, OfferMade, StepMetadata
 from .worker import WorkerSide
@@ -195,7 +196,7 @@ class PrefillScheduler(SchedulerSide):
                 i = index[rid]
                 added = cached.new_block_ids[i]
                 if added is not None:
-                    resumed = rid in (cached.resumed_req_ids or ())
+                    resumed = rid in compat.resumed_request_ids(cached)
                     leg.block_ids = tuple(added[0]) if resumed else leg.block_ids + tuple(added[0])
                 computed = cached.num_computed_tokens[i]
             if computed + scheduled[rid] < leg.prompt_tokens:

@@ -29,7 +29,7 @@ def test_the_installed_vllm_is_in_range_and_its_connector_api_is_the_one_we_use(
 
 
 @pytest.mark.parametrize("version,refused", [
-    ("0.13.9", "CVE-2026-22807"), ("0.21.0", "older than neuron-disagg supports"), ("0.23.1+cpu", "0.24.0 – 0.32.x")])
+    ("0.13.9", "CVE-2026-22807"), ("0.21.0", "older than neuron-disagg supports"), ("0.23.1+cpu", "0.24.0 – 0.34.x")])
 def test_versions_below_the_range_are_refused_naming_it(version, refused):
     with pytest.raises(compat.UnsupportedVLLM, match=refused):
         compat.check_version(version)
@@ -38,7 +38,8 @@ def test_versions_below_the_range_are_refused_naming_it(version, refused):
 def test_versions_in_range_pass_and_newer_ones_are_flagged_for_the_api_check():
     assert compat.check_version("0.24.0") is False
     assert compat.check_version("0.32.0+cpu") is False
-    assert compat.check_version("0.33.0") is True
+    assert compat.check_version("0.34.2") is False
+    assert compat.check_version("0.35.0") is True
 
 
 def test_a_changed_connector_api_is_named():
