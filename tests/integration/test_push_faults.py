@@ -69,7 +69,7 @@ def test_decode_killed_prefill_fails_frees_and_serves_a_restarted_decode(procs, 
     # its agent; UCX recovers by forgetting the dead peer alone.
     resets = 1 if fabric.backend == "LIBFABRIC" else 0
     assert stats["writer"].get("agent_resets", 0) == resets
-    assert stats["agent"] == (f"{p.agent}.1" if resets else p.agent)
+    assert stats["initiator"] == (f"{p.agent}-writer.1" if resets else f"{p.agent}-writer")
 
 
 def test_prefill_killed_decode_watchdog_fails_and_frees_within_bound(procs):

@@ -28,7 +28,7 @@ class Rank:
 
     def emit(self, obj):
         with self.cond:
-            self.events.append(obj)
+            self.events.append({**obj, "seen_at": time.monotonic()})
             self.cond.notify_all()
 
     def wait(self, kind, tid, timeout=5.0):
