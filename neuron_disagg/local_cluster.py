@@ -192,6 +192,16 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _ours(port: int) -> bool:
+    """Under pytest-xdist each worker process picks from its own blocks of 64 ports (the first 48 of
+    each, so that port + rank stays in the block): two workers starting servers at once must not
+    both find one port free and both bind it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
+        return True
+    return port % 64 < 48 and (port // 64) % int(count) == int(worker[2:]) % int(count)
+
+
 def free_port() -> int:
     """A port that is free now and that nothing else will be given before our server binds it.
 
@@ -203,7 +213,7 @@ def free_port() -> int:
     import socket
 
     low, _ = _ephemeral_range()
-    candidates = [p for p in range(max(1024, low - 12000), low) if p not in _handed_out]
+    candidates = [p for p in range(max(1024, low - 12000), low) if p not in _handed_out and _ours(p)]
     random.SystemRandom().shuffle(candidates)
     for port in candidates:
         with socket.socket() as s:

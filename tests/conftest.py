@@ -1,5 +1,5 @@
 """Two tiers (README): the fast check, ``pytest -m "not integration and not slow"``, and the whole
-suite.
+suite (two pytest-xdist workers: what waits on a server or a lease in one overlaps the other's work).
 
 A test that starts a process, a server process or another environment is marked ``integration``
 (every test under tests/integration is, by its directory); one that runs in-process but for
@@ -33,6 +33,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in Path(item.fspath).parents or PROCESS_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.integration)
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
+def _group(item) -> str:
+    """What must run in one pytest-xdist worker (the README's full suite runs two, ``--dist
+    loadgroup``): the tests sharing the vLLM clusters (tests/integration/conftest.py), and each
+    other module's tests, which may share module fixtures; a fixture is built once per worker."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("cluster")
+    if defs and defs[-1].scope == "package":
+        return "vllm-clusters"
+    return item.nodeid.split("::", 1)[0]
         if item.get_closest_marker("integration") is None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S))
 

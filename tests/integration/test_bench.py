@@ -1,8 +1,9 @@
 """`neuron-disagg bench` end to end on this machine, small: monolithic, our push, and vLLM's own
 NixlPushConnector behind our router's vllm-push mode, each started, loaded with `vllm bench serve`
-and reported, then monolithic once more for the run's drift. It checks that every mode served every
-request and that the report holds what the issue asks for — not any latency figure (those are
-printed by the benchmark, never asserted)."""
+and reported. It checks that every mode served every request and that the report holds what the
+issue asks for — not any latency figure (those are printed by the benchmark, never asserted). The
+drift line (monolithic measured again at the end) is left out here, a fourth topology's start:
+tests/bench/test_report.py checks its computation and report."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     out = tmp_path / "results"
     run = subprocess.run([sys.executable, "-m", "neuron_disagg.cli", "bench", "--modes", "monolithic,push,vllm-push",
                           "--rates", "4", "--prompts", "4", "--input-lens", "128", "--output-len", "8",
-                          "--no-warmup", "--results", str(out)], capture_output=True, text=True, timeout=900)
+                          "--no-warmup", "--no-drift-check", "--results", str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     written = json.loads((out / "results.json").read_text())
     runs = {r["mode"]: r for r in written["runs"]}
@@ -39,8 +40,4 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     for name in ("results.md", "latency-in128.png", "ttft-breakdown.png"):
         assert (out / name).stat().st_size > 0
     assert "TTFT/mono" in run.stdout
-    # monolithic measured again after the other topologies: how far the machine moved meanwhile
-    (drift,) = written["meta"]["drift"]
-    assert drift["error"] is None and drift["ttft_p50_ms"][0] == runs["monolithic"]["ttft_p50_ms"]
-    assert drift["ttft_p50_ratio"] > 0 and drift["tpot_p50_ratio"] > 0
-    assert "Drift (monolithic measured first and again last" in run.stdout
+    assert written["meta"].get("drift") in (None, [])  # asked not to measure it
