@@ -29,10 +29,13 @@ INTEGRATION = Path(__file__).parent / "integration"
 PROCESS_FIXTURES = {"moto_url", "cluster", "routed", "ucx_peers", "fabric"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in Path(item.fspath).parents or PROCESS_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("integration") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S))
         item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
@@ -44,8 +47,6 @@ def _group(item) -> str:
     if defs and defs[-1].scope == "package":
         return "vllm-clusters"
     return item.nodeid.split("::", 1)[0]
-        if item.get_closest_marker("integration") is None and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S))
 
 
 @pytest.fixture(autouse=True)
