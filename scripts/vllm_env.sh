@@ -90,7 +90,9 @@ case "$VERSION" in
     if [ "$VENV" != "$seed" ] && [ -f "$seed/.neuron-disagg-ready" ] && ! "$py" -c 'import torch' 2> /dev/null; then
       # 0.33 needs all but a few of 0.34's packages: start from a hard-linked copy of them (pip
       # replaces the files it changes, never writes into one, so 0.34's stay as they are).
+      # The fresh venv's own pip is replaced by 0.34's (same version), or cp refuses to link over it.
       site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      find "$site" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
       cp -al "$("$seed/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/. "$site"/
     fi
     "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.14.1"
