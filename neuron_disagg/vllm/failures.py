@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import OrderedDict
 
 from ..protocol.messages import TransferId
@@ -22,7 +21,8 @@ MIDDLEWARE = f"{__name__}.kv_failure_reasons"
 _GENERIC = b"Internal server error"  # vLLM's message for a request that finished with an error
 _KEEP = 4096  # reasons remembered; each is read back within a second or never
 _WAIT_S = 1.0  # the stats that carry a reason can reach the API server just after the error does
-_recent: OrderedDict[str, str] = OrderedDict()
+_recent: OrderedDict[str, str] = OrderedDict()  # reasons that came before anyone asked
+_waiting: dict[str, asyncio.Future[str]] = {}  # answers waiting for their reason
 
 
 def router_transfer_id(transfer: TransferId) -> str:
@@ -31,8 +31,13 @@ def router_transfer_id(transfer: TransferId) -> str:
 
 
 def remember(failed: dict[str, str]) -> None:
-    """API server process: reasons that arrived with the connector's stats."""
+    """API server process, on its event loop (vLLM records stats there): reasons that arrived with
+    the connector's stats. An answer already waiting for one is woken; the others are kept."""
     for transfer_id, reason in failed.items():
+        waiter = _waiting.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reason)
+            continue
         _recent[transfer_id] = reason
         _recent.move_to_end(transfer_id)
     while len(_recent) > _KEEP:
@@ -42,12 +47,16 @@ def remember(failed: dict[str, str]) -> None:
 async def _reason(transfer_id: str | None) -> str | None:
     if not transfer_id:
         return None
-    deadline = time.monotonic() + _WAIT_S  # a loaded loop oversleeps each turn: count time, not turns
-    while transfer_id not in _recent:
-        if time.monotonic() >= deadline:
-            return None
-        await asyncio.sleep(0.05)
-    return _recent.pop(transfer_id)
+    if transfer_id in _recent:
+        return _recent.pop(transfer_id)
+    waiter = _waiting[transfer_id] = asyncio.get_running_loop().create_future()
+    try:
+        return await asyncio.wait_for(waiter, _WAIT_S)
+    except asyncio.TimeoutError:
+        return None  # not a KV failure: vLLM's own error stands
+    finally:
+        if _waiting.get(transfer_id) is waiter:
+            del _waiting[transfer_id]
 
 
 def _message(reason: str) -> str:

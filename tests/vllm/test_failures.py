@@ -4,6 +4,7 @@ stats into the API server process, and the middleware `serve` installs puts it i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -35,6 +36,10 @@ def _app() -> TestClient:
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def failed_first(request):  # the stats carrying the reason come just after the error does
+        asyncio.get_running_loop().call_later(0.2, failures.remember, {"req.12#0": "lease expired"})
+        return JSONResponse(VLLM_ERROR, status_code=500)
+
     async def silent(request):  # vLLM 0.29: a request that failed before its first token streams nothing
         async def events():
             yield b"data: [DONE]\n\n"
@@ -51,7 +56,8 @@ def _app() -> TestClient:
 
     app = FastAPI(routes=[Route("/failed", failed, methods=["POST"]), Route("/streamed", streamed, methods=["POST"]),
                           Route("/fine", fine, methods=["POST"]), Route("/silent", silent, methods=["POST"]),
-                          Route("/tokens", tokens, methods=["POST"])])  # vLLM's server is a FastAPI app
+                          Route("/tokens", tokens, methods=["POST"]),
+                          Route("/failed_first", failed_first, methods=["POST"])])  # vLLM's server is a FastAPI app
     app.middleware("http")(failures.kv_failure_reasons)  # as vLLM registers --middleware functions
     return TestClient(app)
 
@@ -98,3 +104,12 @@ def test_a_stream_that_ended_with_nothing_but_done_is_told_why_first():
     started = time.monotonic()
     assert client.post("/tokens", headers={"X-Request-Id": "req.11#0"}).text.count("data: ") == 2  # untouched
     assert time.monotonic() - started < failures._WAIT_S / 2  # and not delayed
+
+
+def test_a_reason_that_comes_after_the_error_wakes_the_answer_waiting_for_it():
+    client = _app()
+    started = time.monotonic()
+    r = client.post("/failed_first", headers={"X-Request-Id": "req.12#0"})
+    assert r.json()["error"]["message"] == "KV transfer failed: lease expired (kv_load_failure_policy: fail)"
+    assert time.monotonic() - started < failures._WAIT_S  # woken by the reason, not by the deadline
+    assert not failures._waiting and "req.12#0" not in failures._recent
