@@ -1,9 +1,13 @@
 # The neuron-disagg AMIs: one for Trainium (from the latest Neuron DLAMI) and one for H200 / p5en
-# (from the latest GPU DLAMI), each found through AWS's public SSM parameters so a rebuild always
-# starts from the current release. Provisioning installs and verifies, in order: the EFA software
-# (GPG-checked), RDMA memory limits, vLLM + NIXL + neuron-disagg, the libcuda stub (Trainium only),
-# the systemd units; the last step runs `neuron-disagg doctor --image` and fails the build if it
-# fails. The builders are ordinary m6i instances (see neuron_instance_type for why).
+# (from the latest GPU DLAMI), each found through AWS's public SSM parameters so a rebuild starts
+# from the current release (or from a pinned AMI id: neuron_source_ami / cuda_source_ami).
+# Provisioning installs and verifies, in order: the EFA software (the pinned installer,
+# GPG-checked, unless the DLAMI's is as new), RDMA memory limits, vLLM + NIXL + neuron-disagg,
+# what NIXL's LIBFABRIC plugin needs besides libfabric (Trainium: libcuda stub, CUDA runtime,
+# hwloc; H200: CUDA runtime, hwloc), the systemd units (and the model cache on local NVMe); the
+# last step runs `neuron-disagg doctor --image --platform <neuron|cuda>` and fails the build if it
+# fails. The builders are ordinary m6i instances (see neuron_instance_type for why). Each AMI is
+# tagged with what it was built from: the source AMI's id and name, the EFA installer pin, NIXL.
 #
 #   ami/build.sh                       # builds the wheel, then `packer init` + `packer build` here
 #   packer build -only='amazon-ebs.neuron' -var wheel=dist/neuron_disagg-0.1.0-py3-none-any.whl ami/
@@ -48,6 +52,22 @@ variable "cuda_ssm_parameter" {
   description = "Public SSM parameter holding the GPU DLAMI to start from."
 }
 
+# Pinning the DLAMI: AWS publishes only "latest" parameters for these DLAMIs (the Neuron DLAMI guide:
+# SSM finds the latest DLAMI of each type; per-release parameters are "future"), so a versioned SSM
+# path cannot pin one. An AMI id can (per region): set these to rebuild from a known DLAMI. Either
+# way the AMI records its source in the tags neuron-disagg:source-ami and :source-ami-name.
+variable "neuron_source_ami" {
+  type        = string
+  default     = null
+  description = "Neuron DLAMI id to start from instead of the SSM parameter's latest (null: latest)."
+}
+
+variable "cuda_source_ami" {
+  type        = string
+  default     = null
+  description = "GPU DLAMI id to start from instead of the SSM parameter's latest (null: latest)."
+}
+
 # The builders are small general-purpose instances, not trn2/p5en: nothing in the bake needs an
 # accelerator. The EFA installer, the Neuron and NVIDIA driver packages (already in the DLAMIs) and
 # vLLM's wheels install without the devices, and the last step, `neuron-disagg doctor --image`,
@@ -82,8 +102,15 @@ variable "capacity_reservation_id" {
 }
 
 variable "nixl_version" {
-  type    = string
-  default = "1.4.1"
+  type        = string
+  default     = "1.4.1"
+  description = "NIXL installed by 30-python.sh (exactly this version); tag neuron-disagg:nixl."
+}
+
+variable "efa_installer_version" {
+  type        = string
+  default     = "1.50.0"
+  description = "EFA installer 10-efa.sh downloads (GPG-checked) unless the DLAMI's is this version or newer; tag neuron-disagg:efa-installer-min. The exact version is in /etc/neuron-disagg/image-versions on the AMI."
 }
 
 variable "doctor_command" {
@@ -110,15 +137,22 @@ data "amazon-parameterstore" "cuda_dlami" {
 locals {
   stamp = formatdate("YYYYMMDD-hhmmss", timestamp())
   stage = "/tmp/neuron-disagg-ami"
+  # The SSM parameter is always read (it must exist); a pinned id wins.
+  neuron_source_ami = coalesce(var.neuron_source_ami, data.amazon-parameterstore.neuron_dlami.value)
+  cuda_source_ami   = coalesce(var.cuda_source_ami, data.amazon-parameterstore.cuda_dlami.value)
   tags = {
-    "neuron-disagg:version" = var.package_version
-    "neuron-disagg:built"   = local.stamp
+    "neuron-disagg:version"           = var.package_version
+    "neuron-disagg:built"             = local.stamp
+    "neuron-disagg:nixl"              = var.nixl_version
+    "neuron-disagg:efa-installer-min" = var.efa_installer_version
+    # The DLAMI's name carries its release date ("... (Ubuntu 24.04) 20261006"): Packer's build data.
+    "neuron-disagg:source-ami-name" = "{{ .SourceAMIName }}"
   }
 }
 
 source "amazon-ebs" "neuron" {
   region                  = var.region
-  source_ami              = data.amazon-parameterstore.neuron_dlami.value
+  source_ami              = local.neuron_source_ami
   instance_type           = var.neuron_instance_type
   subnet_id               = var.subnet_id
   capacity_reservation_id = var.capacity_reservation_id
@@ -136,13 +170,13 @@ source "amazon-ebs" "neuron" {
   tags = merge(local.tags, {
     "Name"                     = "neuron-disagg-neuron-${local.stamp}"
     "neuron-disagg:platform"   = "neuron"
-    "neuron-disagg:source-ami" = data.amazon-parameterstore.neuron_dlami.value
+    "neuron-disagg:source-ami" = local.neuron_source_ami
   })
 }
 
 source "amazon-ebs" "cuda" {
   region                  = var.region
-  source_ami              = data.amazon-parameterstore.cuda_dlami.value
+  source_ami              = local.cuda_source_ami
   instance_type           = var.cuda_instance_type
   subnet_id               = var.subnet_id
   capacity_reservation_id = var.capacity_reservation_id
@@ -159,17 +193,18 @@ source "amazon-ebs" "cuda" {
   tags = merge(local.tags, {
     "Name"                     = "neuron-disagg-cuda-${local.stamp}"
     "neuron-disagg:platform"   = "cuda"
-    "neuron-disagg:source-ami" = data.amazon-parameterstore.cuda_dlami.value
+    "neuron-disagg:source-ami" = local.cuda_source_ami
   })
 }
 
 build {
   sources = ["source.amazon-ebs.neuron", "source.amazon-ebs.cuda"]
 
-  # Everything the scripts need, staged on the builder: the units and the wheel (which carries
-  # the libcuda stub's source; 40-fabric-libs.sh builds it with the package's own command).
+  # Everything the scripts need, staged on the builder: the units, the boot-time script and the
+  # wheel (which carries the libcuda stub's source; 40-fabric-libs.sh builds it on Trainium with the
+  # package's own command).
   provisioner "shell" {
-    inline = ["mkdir -p ${local.stage}/units"]
+    inline = ["mkdir -p ${local.stage}/units ${local.stage}/boot"]
   }
   provisioner "file" {
     sources     = [var.wheel]
@@ -179,10 +214,17 @@ build {
     source      = "${path.root}/units/"
     destination = "${local.stage}/units"
   }
+  provisioner "file" {
+    source      = "${path.root}/boot/"
+    destination = "${local.stage}/boot"
+  }
 
   provisioner "shell" {
-    execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
-    environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}", "NIXL_VERSION=${var.nixl_version}"]
+    execute_command = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
+    environment_vars = [
+      "PLATFORM=${source.name}", "STAGE=${local.stage}", "NIXL_VERSION=${var.nixl_version}",
+      "EFA_VERSION=${var.efa_installer_version}",
+    ]
     scripts = [
       "${path.root}/scripts/10-efa.sh",
       "${path.root}/scripts/20-rdma-limits.sh",
@@ -190,8 +232,9 @@ build {
     ]
   }
 
+  # Both images: on Trainium a libcuda stub, the CUDA runtime and hwloc; on H200 the CUDA runtime
+  # and hwloc (the NVIDIA driver has libcuda). The script passes --platform from PLATFORM.
   provisioner "shell" {
-    only             = ["amazon-ebs.neuron"]
     execute_command  = "chmod +x {{ .Path }}; sudo -E bash '{{ .Path }}'"
     environment_vars = ["PLATFORM=${source.name}", "STAGE=${local.stage}"]
     script           = "${path.root}/scripts/40-fabric-libs.sh"

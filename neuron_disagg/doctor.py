@@ -107,7 +107,7 @@ def check_nixl(backend: str, image: bool = False) -> list[Check]:
             continue
         needed = name == backend
         fix = ("install libfabric >= 1.21 (the EFA installer puts it in /opt/amazon/efa/lib), then "
-               "`sudo neuron-disagg install-fabric-libs` on Neuron hosts" if name == "LIBFABRIC"
+               "`sudo neuron-disagg install-fabric-libs` (GPU hosts: `--platform cuda`)" if name == "LIBFABRIC"
                else "reinstall nixl; check that its bundled UCX libraries load (ldd on the plugin)")
         msg = f"{name} backend does not load ({state})" + ("; this platform needs it" if needed
                                                              else "; not used on this platform")
@@ -163,21 +163,89 @@ def check_neuron(platform) -> Check:
     return Check("neuron devices", "ok", msg)
 
 
+#: Where the AMI's systemd units get their environment (ami/scripts/50-units.sh writes it).
+UNITS_ENV = "etc/neuron-disagg/fabric.env"
+
+
+def units_library_path(root: str = "/") -> tuple[str, str] | None:
+    """(LD_LIBRARY_PATH, file) the AMI's systemd units run with, from their fabric.env; None where
+    there is no such file (not our AMI)."""
+    env_file = os.path.join(root, UNITS_ENV)
+    try:
+        with open(env_file) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, sep, value = line.strip().partition("=")
+        if sep and key == "LD_LIBRARY_PATH":
+            return value.strip().strip("'\""), env_file
+    return "", env_file
+
+
+def _plugin_lacks(directory, search_path: str | None = None) -> list[str] | None:
+    """Sonames NIXL's LIBFABRIC plugin needs that the linker cannot find; None if it cannot tell."""
+    from .platforms import fabric_libs
+    try:
+        return fabric_libs.missing(fabric_libs.plugin(), directory, search_path)
+    except (fabric_libs.FabricLibsError, OSError, subprocess.SubprocessError):
+        return None
+
+
+def _fabric_libs_fix(platform_name: str, lacking: list[str] | None, search_path: str | None) -> str:
+    from .platforms import fabric_libs
+    if platform_name == "neuron":
+        return "sudo neuron-disagg install-fabric-libs"
+    if platform_name != "cuda":
+        return "install the NVIDIA driver and CUDA runtime, and libfabric >= 1.21 (EFA installer)"
+    install = f"sudo neuron-disagg install-fabric-libs --platform cuda (CUDA runtime and hwloc into {fabric_libs.SYSTEM_DIR})"
+    if lacking is None:
+        return f"{install}; the NVIDIA driver provides libcuda.so.1; the EFA installer libfabric >= 1.21"
+    fixes = []
+    if "libcuda.so.1" in lacking:
+        fixes.append("install the NVIDIA driver (it provides libcuda.so.1; never a stub on a GPU host)")
+    if any(name.startswith(("libcudart.so.", "libhwloc.so.")) for name in lacking):
+        fixes.append(install)
+        if search_path is not None and str(fabric_libs.SYSTEM_DIR) not in search_path.split(":"):
+            fixes.append(f"and put {fabric_libs.SYSTEM_DIR} first on LD_LIBRARY_PATH in /{UNITS_ENV}")
+    if any(name.startswith("libfabric.so") for name in lacking):
+        fixes.append(f"install libfabric >= 1.21 with the EFA installer ({fabric_libs.EFA_LIB_DIR})")
+    return "; ".join(fixes) or install
+
+
 def check_fabric_libs(platform, backend: str) -> Check:
     """What NIXL's LIBFABRIC plugin needs besides libfabric (libcuda, libcudart, libhwloc): on a
-    Neuron host the package installs them (``install-fabric-libs``); a GPU host has its driver."""
+    Neuron host the package installs all three (``install-fabric-libs``); on a GPU host the driver
+    provides libcuda and ``install-fabric-libs --platform cuda`` the other two. Where the AMI's units
+    run (their fabric.env exists), the plugin must also resolve everything with exactly their
+    LD_LIBRARY_PATH, whatever this shell's is; what it cannot find is named."""
     from .platforms import fabric_libs
 
     if backend != "LIBFABRIC":
         return Check("fabric libraries", "ok", "not needed (UCX)")
     directory = fabric_libs.find()
+    sets = " (what `neuron-disagg serve` sets)" if platform.name == "neuron" else ""
+    where = f" with {directory} on LD_LIBRARY_PATH{sets}" if directory else ""
+    if platform.name == "cuda" and directory is not None and (directory / "libcuda.so.1").exists():
+        return Check("fabric libraries", "fail", f"{directory / 'libcuda.so.1'} is a libcuda stand-in (for Neuron "
+                     "hosts): first on LD_LIBRARY_PATH it hides the NVIDIA driver's libcuda.so.1",
+                     "sudo neuron-disagg install-fabric-libs --platform cuda (removes it)")
+    units = units_library_path(getattr(platform, "root", "/"))
+    for_units = _plugin_lacks(directory, units[0]) if units else None
     state = fabric_libs.loads(directory)
-    where = f" with {directory} on LD_LIBRARY_PATH (what `neuron-disagg serve` sets)" if directory else ""
-    if state == "loaded":
-        return Check("fabric libraries", "ok", f"NIXL's LIBFABRIC backend loads{where}")
-    fix = ("sudo neuron-disagg install-fabric-libs" if platform.name == "neuron" else
-           "install the NVIDIA driver and CUDA runtime, and libfabric >= 1.21 (EFA installer)")
-    return Check("fabric libraries", "fail", f"NIXL's LIBFABRIC backend does not load{where}: {state}", fix)
+    if state == "loaded" and not for_units:
+        return Check("fabric libraries", "ok", f"NIXL's LIBFABRIC backend loads{where}"
+                     + (f"; the units' LD_LIBRARY_PATH ({units[1]}) resolves all it needs" if units else ""))
+    if for_units:
+        lacking = for_units
+        msg = (f"NIXL's LIBFABRIC plugin cannot find {', '.join(for_units)} with the units' LD_LIBRARY_PATH "
+               f"({units[0] or 'unset'}, from {units[1]}): the LIBFABRIC backend will not load in the units"
+               + ("" if state == "loaded" else f" ({state})"))
+    else:  # on a GPU host what is missing decides the fix: the driver's, or ours to install
+        lacking = _plugin_lacks(directory) if platform.name == "cuda" else None
+        msg = (f"NIXL's LIBFABRIC backend does not load{where}: {state}"
+               + (f"; the linker cannot find {', '.join(lacking)}" if lacking else ""))
+    return Check("fabric libraries", "fail", msg, _fabric_libs_fix(platform.name, lacking, units[0] if units else None))
 
 
 def check_env(platform, backend: str) -> Check:

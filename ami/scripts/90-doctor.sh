@@ -4,8 +4,10 @@
 set -euo pipefail
 
 # --image: a baked image has no deployment secret yet (each instance gets it at launch);
-# --platform: the builder has none of the target's devices, so name it (NIXL's LIBFABRIC backend
-# must load for it: on Neuron with the libraries 40-fabric-libs.sh installed).
+# --platform: the builder has none of the target's devices, so name it. NIXL's LIBFABRIC backend
+# must load for it, with the libraries 40-fabric-libs.sh installed (Neuron: libcuda stub, CUDA
+# runtime, hwloc; GPU: CUDA runtime and hwloc beside the driver's libcuda), and the plugin must
+# resolve all it needs with exactly the units' LD_LIBRARY_PATH (fabric.env).
 DOCTOR_COMMAND="${DOCTOR_COMMAND:-neuron-disagg doctor --image --platform ${PLATFORM:?PLATFORM must be neuron or cuda}}"
 
 # The same environment the units run with.

@@ -7,8 +7,12 @@ those files the dynamic linker refuses the plugin, and the LIBFABRIC backend doe
 ``neuron-disagg install-fabric-libs`` asks the linker (``ldd``) what the plugin NIXL picks lacks,
 and puts each into one directory, installing nothing system-wide:
 
-- ``libcuda.so.1``: our stub (``libcuda_stub.py``), never where a real NVIDIA driver exists;
-- ``libcudart.so.<N>``: NVIDIA's CUDA runtime from its PyPI wheel (it loads without any GPU);
+- ``libcuda.so.1``: on Neuron hosts our stub (``libcuda_stub.py``); on GPU hosts
+  (``--platform cuda``) never: the NVIDIA driver provides it, and a stub first on the library path
+  would hide the driver (one left there by an earlier run is removed);
+- ``libcudart.so.<N>``: the CUDA runtime already in the Python environment (the one torch loads,
+  linked, so a process holds one runtime), else NVIDIA's from its PyPI wheel (it loads without any
+  GPU). A GPU DLAMI has the driver but no runtime on the linker's path;
 - ``libhwloc.so.15``: the distribution's hwloc package, unpacked (``apt-get download`` /
   ``dnf download``).
 
@@ -39,6 +43,8 @@ STAMP = ".neuron-disagg-fabric-libs"
 #: The CUDA runtime wheel per libcudart soname major, and where in it the library lies.
 CUDART_WHEELS = {"13": ("nvidia-cuda-runtime==13.0.96", "nvidia/cu13/lib/libcudart.so.13"),
                  "12": ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia/cuda_runtime/lib/libcudart.so.12")}
+#: ``--platform``: what the host's accelerator is. Only on Neuron is libcuda.so.1 ours to provide.
+PLATFORMS = ("neuron", "cuda")
 
 _PROBE = r"""
 import json, sys
@@ -84,9 +90,10 @@ def plugin(python: str = sys.executable) -> Path:
     return found
 
 
-def missing(plugin_path: Path, directory: Path | None = None) -> list[str]:
-    """Sonames the plugin needs that the dynamic linker cannot find (with ``directory`` searched)."""
-    env = {**os.environ, "LD_LIBRARY_PATH": library_path(directory)}
+def missing(plugin_path: Path, directory: Path | None = None, search_path: str | None = None) -> list[str]:
+    """Sonames the plugin needs that the dynamic linker cannot find (with ``directory`` searched), or,
+    given ``search_path``, with exactly that LD_LIBRARY_PATH (e.g. the one the systemd units get)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": library_path(directory) if search_path is None else search_path}
     out = subprocess.run(["ldd", str(plugin_path)], capture_output=True, text=True, env=env, timeout=60)
     # NIXL's own libraries (libnixl_common, libserdes) are loaded before the plugin is.
     return [name for name in re.findall(r"^\s*(\S+) => not found", out.stdout, re.MULTILINE)
@@ -104,16 +111,23 @@ def loads(directory: Path | None, python: str = sys.executable) -> str:
     return lines[-1].strip('"') if lines else f"the check exited with {out.returncode}: {out.stderr[-300:]}"
 
 
-def install(directory: Path, python: str = sys.executable) -> list[str]:
+def install(directory: Path, python: str = sys.executable, platform: str = "neuron") -> list[str]:
     """Provide what the plugin lacks in ``directory``, check the backend loads, and stamp the
-    directory. Returns what was provided."""
+    directory. Returns what was provided. ``platform`` "cuda": never a libcuda stub (the driver's)."""
+    if platform not in PLATFORMS:
+        raise FabricLibsError(f"platform must be one of {', '.join(PLATFORMS)}, not {platform!r}")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / STAMP).unlink(missing_ok=True)
     path = plugin(python)
     provided = []
-    if list(directory.glob(".built-from-*")):  # our stub from an earlier run: rebuilt if its source changed
+    if platform == "cuda":
+        _remove_stub(directory)  # first on the units' library path it would hide the NVIDIA driver
+    elif list(directory.glob(".built-from-*")):  # our stub from an earlier run: rebuilt if its source changed
         libcuda_stub.build(directory)
     for name in missing(path, directory):
+        if name == "libcuda.so.1" and platform == "cuda":
+            raise FabricLibsError("libcuda.so.1 is missing: on a GPU host it comes from the NVIDIA driver, which "
+                                  "neuron-disagg does not install (the GPU DLAMI has it): install the driver")
         if name == "libcuda.so.1":
             libcuda_stub.build(directory)
         elif name.startswith("libcudart.so."):
@@ -144,10 +158,45 @@ def find() -> Path | None:
     return None
 
 
+def _remove_stub(directory: Path) -> None:
+    """Our libcuda stub, if an earlier (Neuron) run put one here; a real library is never touched."""
+    stamps = list(directory.glob(".built-from-*"))
+    if stamps:
+        (directory / libcuda_stub.LIBRARY).unlink(missing_ok=True)
+        for stamp in stamps:
+            stamp.unlink()
+
+
+def cudart_in(sites: list[Path], major: str) -> Path | None:
+    """The CUDA runtime a Python environment already holds (NVIDIA's wheel, a torch dependency) in one
+    of its ``sites`` (site-packages directories), or None."""
+    if major not in CUDART_WHEELS:
+        return None
+    member = CUDART_WHEELS[major][1]
+    for site in sites:
+        found = site / member
+        if found.is_file():
+            return found
+    return None
+
+
+def _sites(python: str) -> list[Path]:
+    out = subprocess.run([python, "-c", "import site; print('\\n'.join(site.getsitepackages()))"],
+                         capture_output=True, text=True, timeout=60)
+    return [Path(line) for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
 def _cuda_runtime(directory: Path, major: str, python: str) -> None:
     if major not in CUDART_WHEELS:
         raise FabricLibsError(f"no CUDA runtime wheel known for libcudart.so.{major}")
     requirement, member = CUDART_WHEELS[major]
+    present = cudart_in(_sites(python), major)
+    if present is not None:  # linked, not copied: torch and NIXL then load the one runtime, upgrades included
+        link = directory / f"{Path(member).name}.tmp{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(present)
+        os.replace(link, directory / Path(member).name)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                                "-d", tmp, requirement], capture_output=True, text=True, timeout=600)
@@ -203,22 +252,31 @@ def _install_file(target: Path, data: bytes) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="neuron-disagg install-fabric-libs", description=(
-        "Put what NIXL's LIBFABRIC plugin needs besides libfabric (a libcuda stub, the CUDA runtime "
-        "library, hwloc) into one directory, and check the backend loads. Neuron hosts need it."))
+        "Put what NIXL's LIBFABRIC plugin needs besides libfabric (on Neuron hosts a libcuda stub, the "
+        "CUDA runtime library, hwloc; on GPU hosts the CUDA runtime library and hwloc) into one "
+        "directory, and check the backend loads."))
     parser.add_argument("--dir", type=Path, default=None,
                         help=f"install here (default: {SYSTEM_DIR} as root, else {user_dir()})")
+    parser.add_argument("--platform", choices=PLATFORMS, default="neuron",
+                        help="the host's accelerator (default: neuron). cuda: no libcuda stub, ever: the "
+                             "NVIDIA driver provides libcuda.so.1 (a stub left here earlier is removed)")
     args = parser.parse_args(argv)
     directory = args.dir or (SYSTEM_DIR if os.geteuid() == 0 else user_dir())
     try:
-        provided = install(directory)
+        provided = install(directory, platform=args.platform)
     except (FabricLibsError, libcuda_stub.StubError, OSError) as exc:
         print(f"neuron-disagg install-fabric-libs: {exc}", file=sys.stderr)
         return 1
     found = directory.resolve() in (SYSTEM_DIR.resolve(), user_dir().resolve())
-    print(f"{directory}: {', '.join(provided) or 'nothing was missing'}; NIXL's LIBFABRIC backend loads. "
-          + (f"`neuron-disagg serve` puts {directory} on vLLM's LD_LIBRARY_PATH" if found else
-             f"`neuron-disagg serve` looks in {SYSTEM_DIR} and {user_dir()} only; elsewhere set "
-             f"LD_LIBRARY_PATH={directory}:$LD_LIBRARY_PATH yourself"))
+    if args.platform == "cuda":  # serve adds the directory on Neuron hosts only; the AMI's units set it
+        then = (f"The AMI's units have {SYSTEM_DIR} on LD_LIBRARY_PATH (/etc/neuron-disagg/fabric.env); "
+                f"elsewhere set LD_LIBRARY_PATH={directory}:$LD_LIBRARY_PATH for vLLM yourself")
+    elif found:
+        then = f"`neuron-disagg serve` puts {directory} on vLLM's LD_LIBRARY_PATH"
+    else:
+        then = (f"`neuron-disagg serve` looks in {SYSTEM_DIR} and {user_dir()} only; elsewhere set "
+                f"LD_LIBRARY_PATH={directory}:$LD_LIBRARY_PATH yourself")
+    print(f"{directory}: {', '.join(provided) or 'nothing was missing'}; NIXL's LIBFABRIC backend loads. " + then)
     return 0
 
 

@@ -1,13 +1,16 @@
 """ami/: the Packer template parses, agrees with what launch looks for and builds on ordinary
-instances; its doctor step needs no accelerator; the provisioning scripts pass shellcheck; what
-NIXL's LIBFABRIC plugin lacks is put in place (a libcuda stub that answers CUDA_ERROR_NO_DEVICE
-among it); the EFA installer step refuses anything not signed by the pinned key (exercised with a
-throwaway key over local HTTP)."""
+instances; it pins and records what it builds from; its doctor step needs no accelerator; the
+provisioning scripts pass shellcheck; what NIXL's LIBFABRIC plugin lacks is put in place on both
+images (on Trainium a libcuda stub that answers CUDA_ERROR_NO_DEVICE among it; on the GPU image the
+CUDA runtime and hwloc, never a stub); the EFA installer step installs the pinned version and
+refuses anything not signed by the pinned key (exercised with a throwaway key over local HTTP).
+The model-cache boot script: test_ami_model_cache.py."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -23,6 +26,7 @@ from neuron_disagg.deploy import ami
 from neuron_disagg.deploy.instance_types import InstanceTypeInfo
 from neuron_disagg.doctor import run_checks
 from neuron_disagg.local_cluster import free_port
+from neuron_disagg.platforms import fabric_libs
 
 from .conftest import wait_until_serving
 from .test_user_data import shellcheck
@@ -32,6 +36,7 @@ pytestmark = pytest.mark.integration  # runs the provisioning scripts, shellchec
 REPO = Path(__file__).resolve().parents[2]
 AMI = REPO / "ami"
 SCRIPTS = sorted((AMI / "scripts").glob("*.sh"))
+HIDE_CUDA = 'for d in /usr/local/cuda*; do [ -L "$d" ] || mount -t tmpfs none "$d"; done; exec "$@"'
 
 
 def unquote(value):
@@ -63,8 +68,14 @@ def test_template_has_a_trainium_and_a_gpu_source_from_the_public_ssm_parameters
     assert set(sources) == {"neuron", "cuda"}
     data = blocks(template["data"], "amazon-parameterstore")
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
+    local = {unquote(k): v for item in template["locals"] for k, v in item.items()}
     for platform, source in sources.items():
-        assert unquote(source["source_ami"]) == f"${{data.amazon-parameterstore.{platform}_dlami.value}}"
+        # the SSM parameter's latest unless an AMI id is pinned; the tag records which
+        assert unquote(source["source_ami"]) == f"${{local.{platform}_source_ami}}"
+        assert local[f"{platform}_source_ami"] == (f"${{coalesce(var.{platform}_source_ami, "
+                                                   f"data.amazon-parameterstore.{platform}_dlami.value)}}")
+        assert variables[f"{platform}_source_ami"]["default"] is None
+        assert f'"neuron-disagg:source-ami" = local.{platform}_source_ami' in source["tags"]
         assert unquote(data[f"{platform}_dlami"]["name"]) == f"${{var.{platform}_ssm_parameter}}"
         # the same parameter launch falls back to when no baked AMI exists
         assert unquote(variables[f"{platform}_ssm_parameter"]["default"]) == ami.DLAMI_PARAMETERS[platform]
@@ -81,13 +92,58 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
             listed.append(unquote(entry).replace("${path.root}/", ""))
     assert listed == [f"scripts/{p.name}" for p in SCRIPTS]
     assert listed[-1] == "scripts/90-doctor.sh"
-    libs_step = next(s for s in shell_steps if unquote(s.get("script", "")).endswith("40-fabric-libs.sh"))
-    assert [unquote(o) for o in libs_step["only"]] == ["amazon-ebs.neuron"]  # never on a GPU host
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
     assert unquote(variables["doctor_command"]["default"]) == ""  # 90-doctor.sh: --image --platform <source>
     doctor = (AMI / "scripts/90-doctor.sh").read_text()
     assert "neuron-disagg doctor --image --platform ${PLATFORM" in doctor
     assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
+
+
+def steps_for(template, source: str) -> list[str]:
+    """The provisioning scripts Packer runs for ``source`` (its only/except filters applied)."""
+    build = template["build"][0]
+    scripts = []
+    for item in build["provisioner"]:
+        for kind, step in item.items():
+            only = [unquote(o) for o in step.get("only", [])]
+            excluded = [unquote(o) for o in step.get("except", [])]
+            if unquote(kind) != "shell" or (only and source not in only) or source in excluded:
+                continue
+            for entry in step.get("scripts", []) + ([step["script"]] if "script" in step else []):
+                scripts.append(unquote(entry).replace("${path.root}/", ""))
+    return scripts
+
+
+@pytest.mark.parametrize("source", ["amazon-ebs.neuron", "amazon-ebs.cuda"])
+def test_both_images_get_the_fabric_libraries_before_doctor(template, source):
+    """The GPU image too: its NVIDIA driver provides libcuda but neither libcudart nor hwloc, and
+    the bake's last step loads NIXL's LIBFABRIC backend."""
+    steps = steps_for(template, source)
+    assert steps.index("scripts/40-fabric-libs.sh") < steps.index("scripts/90-doctor.sh")
+    assert steps.index("scripts/30-python.sh") < steps.index("scripts/40-fabric-libs.sh")
+    libs_step = next(body for item in template["build"][0]["provisioner"] for kind, body in item.items()
+                     if unquote(body.get("script", "")).endswith("40-fabric-libs.sh"))
+    assert "PLATFORM=${source.name}" in [unquote(v) for v in libs_step["environment_vars"]]
+    script = (AMI / "scripts/40-fabric-libs.sh").read_text()
+    assert 'install-fabric-libs --platform "$PLATFORM"' in script
+
+
+def test_versions_are_pinned_and_recorded_in_tags(template):
+    variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
+    efa = unquote(variables["efa_installer_version"]["default"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", efa)  # a release, never "latest"
+    # 10-efa.sh's own default is the same pin, and the template hands it the variable
+    assert f'EFA_VERSION="${{EFA_VERSION:-{efa}}}"' in (AMI / "scripts/10-efa.sh").read_text()
+    first = next(body for item in template["build"][0]["provisioner"] for kind, body in item.items()
+                 if "scripts" in body and any("10-efa.sh" in unquote(e) for e in body["scripts"]))
+    assert "EFA_VERSION=${var.efa_installer_version}" in [unquote(v) for v in first["environment_vars"]]
+    local = {unquote(k): v for item in template["locals"] for k, v in item.items()}
+    tags = {unquote(k): unquote(v) for k, v in local["tags"].items() if not k.startswith("__")}
+    assert tags["neuron-disagg:nixl"] == "${var.nixl_version}"
+    assert tags["neuron-disagg:efa-installer-min"] == "${var.efa_installer_version}"
+    assert tags["neuron-disagg:source-ami-name"] == "{{ .SourceAMIName }}"  # the DLAMI's dated name
+    for source in blocks(template["source"], "amazon-ebs").values():
+        assert "${merge(local.tags" in source["tags"]
 
 
 def test_builders_are_ordinary_x86_instances_without_accelerators(template, ec2):
@@ -143,8 +199,8 @@ def test_doctor_image_for_neuron_on_a_host_without_accelerators(tmp_path, monkey
     assert "neuron devices" not in by_name  # the builder has none; the launched instance is checked
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh", *sorted((AMI.parent / "scripts").glob("*.sh"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [*SCRIPTS, AMI / "build.sh", *sorted((AMI / "boot").glob("*.sh")),
+                                    *sorted((AMI.parent / "scripts").glob("*.sh"))], ids=lambda p: p.name)
 def test_provisioning_scripts_pass_shellcheck(script):
     done = subprocess.run([shellcheck(), "-x", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
@@ -174,7 +230,7 @@ def test_fabric_libs_step_puts_what_nixls_libfabric_plugin_lacks_beside_the_efa_
     efa = libfabric_alone(tmp_path / "efa")
     target = tmp_path / "lib"
     # The bake's venv is /opt/neuron-disagg/venv; here it is the one scripts/setup.sh made.
-    env = {**os.environ, "PLATFORM": "neuron", "LIB_DIR": str(target), "LD_LIBRARY_PATH": str(efa),
+    env = {**os.environ, "PLATFORM": "neuron", "LIB_DIR": str(target), "UNITS_LIBRARY_PATH": str(efa),
            "NEURON_DISAGG": str(Path(sys.executable).with_name("neuron-disagg"))}
     done = subprocess.run(["bash", str(AMI / "scripts/40-fabric-libs.sh")], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -191,14 +247,68 @@ def test_fabric_libs_step_puts_what_nixls_libfabric_plugin_lacks_beside_the_efa_
     assert lib.cuPointerGetAttributes(1, None, None, ctypes.c_ulonglong(0)) == 100
 
 
-def test_fabric_libs_step_refuses_gpu_hosts(tmp_path):
-    env = {**os.environ, "PLATFORM": "cuda", "LIB_DIR": str(tmp_path)}
+def test_fabric_libs_step_refuses_an_unknown_platform(tmp_path):
+    env = {**os.environ, "PLATFORM": "rocm", "LIB_DIR": str(tmp_path)}
     done = subprocess.run(["bash", str(AMI / "scripts/40-fabric-libs.sh")], env=env, capture_output=True, text=True)
-    assert done.returncode == 1 and "Neuron hosts only" in done.stderr
-    assert not (tmp_path / "libcuda.so.1").exists()
+    assert done.returncode == 1 and "PLATFORM must be neuron or cuda" in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+GPU_IMAGE = r"""
+import json, os, pathlib, subprocess, sys
+from cuda_compat import CudaPlatform
+from neuron_disagg import doctor
+from neuron_disagg.platforms import fabric_libs, libcuda_stub
+script, efa, driver, target, root = sys.argv[1:6]
+target = pathlib.Path(target)
+fabric_libs.SYSTEM_DIR = target  # where the AMI's units look (/opt/neuron-disagg/lib)
+libcuda_stub.build(pathlib.Path(driver))  # stands in for the NVIDIA driver's libcuda.so.1
+libcuda_stub.build(target)  # a stub an earlier Neuron-style run left: must go
+env_file = pathlib.Path(root) / doctor.UNITS_ENV
+env_file.parent.mkdir(parents=True)
+env_file.write_text(f"FI_PROVIDER=efa\nLD_LIBRARY_PATH={target}:{efa}:{driver}\n")  # as 50-units.sh writes it
+os.environ["LD_LIBRARY_PATH"] = f"{efa}:{driver}"  # 90-doctor.sh's shell: fabric.env without our directory
+out = {"before": doctor.check_fabric_libs(CudaPlatform(root), "LIBFABRIC").__dict__}
+done = subprocess.run(["bash", script], capture_output=True, text=True, env={
+    **os.environ, "PLATFORM": "cuda", "LIB_DIR": str(target), "UNITS_LIBRARY_PATH": f"{efa}:{driver}",
+    "NEURON_DISAGG": str(pathlib.Path(sys.executable).with_name("neuron-disagg"))})
+out["script"] = [done.returncode, done.stdout, done.stderr]
+out["after"] = doctor.check_fabric_libs(CudaPlatform(root), "LIBFABRIC").__dict__
+out["files"] = sorted(p.name for p in target.iterdir())
+print(json.dumps(out))
+"""
+
+
+def test_fabric_libs_step_for_a_gpu_image_provides_the_runtime_and_hwloc_and_no_stub(tmp_path):
+    """The GPU image's 40-fabric-libs.sh, with this machine's CUDA toolkit hidden (as on the GPU
+    DLAMI, whose runtime is not where the linker looks) and a libcuda.so.1 standing in for the
+    driver's: doctor's CUDA check first names what the plugin lacks with the units' library path,
+    the step provides libcudart and hwloc (and removes a stub left there), then the check passes."""
+    from ..integration.fabrics import libfabric_alone
+
+    efa = libfabric_alone(tmp_path / "efa")
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "--", "sh", "-c", HIDE_CUDA, "sh", sys.executable, "-c",
+         GPU_IMAGE, str(AMI / "scripts/40-fabric-libs.sh"), str(efa), str(tmp_path / "driver"),
+         str(tmp_path / "lib"), str(tmp_path / "root")],
+        capture_output=True, text=True, timeout=900,
+        env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    before, after = out["before"], out["after"]
+    assert before["status"] == "fail", before
+    assert "libcudart.so.13" in before["message"] and "libhwloc.so.15" in before["message"], before
+    assert "units' LD_LIBRARY_PATH" in before["message"] and "--platform cuda" in before["fix"], before
+    assert out["script"][0] == 0, out["script"]
+    assert "NIXL's LIBFABRIC backend loads" in out["script"][1]
+    assert "libcuda.so.1" not in out["files"] and not [f for f in out["files"] if f.startswith(".built-from")]
+    assert {"libcudart.so.13", "libhwloc.so.15", fabric_libs.STAMP} <= set(out["files"]), out["files"]
+    assert after["status"] == "ok", after
 
 
 # -- the EFA installer's signature check, with a throwaway key ------------------------------------
+_PIN = re.search(r'EFA_VERSION="\$\{EFA_VERSION:-([0-9.]+)\}"', (AMI / "scripts/10-efa.sh").read_text())
+PINNED_EFA = _PIN.group(1) if _PIN else "0.0.0-not-pinned"  # 10-efa.sh's default installer version
 FAKE_INSTALLER = """#!/bin/bash
 # stands in for AWS's efa_installer.sh: "installs" libfabric under $EFA_PREFIX
 set -euo pipefail
@@ -226,7 +336,7 @@ def efa_site(tmp_path):
     installer = site / "aws-efa-installer" / "efa_installer.sh"
     installer.write_text(FAKE_INSTALLER)
     installer.chmod(0o755)
-    tarball = site / "aws-efa-installer-latest.tar.gz"
+    tarball = site / f"aws-efa-installer-{PINNED_EFA}.tar.gz"  # only the pinned version is published here
     with tarfile.open(tarball, "w:gz") as tar:
         tar.add(site / "aws-efa-installer", arcname="aws-efa-installer")
     subprocess.run([*gpg, "--detach-sign", "-o", f"{tarball}.sig", str(tarball)], check=True, capture_output=True)
@@ -243,7 +353,9 @@ def efa_site(tmp_path):
 
 
 def run_efa(site: dict, fingerprint: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "EFA_URL": site["url"], "EFA_KEY_FINGERPRINT": fingerprint, "EFA_PREFIX": str(site["prefix"])}
+    env = {**os.environ, "EFA_URL": site["url"], "EFA_KEY_FINGERPRINT": fingerprint, "EFA_PREFIX": str(site["prefix"]),
+           "EFA_INSTALLED": str(site["prefix"].parent / "no-efa-installed"),
+           "VERSIONS_FILE": str(site["prefix"].parent / "image-versions")}
     return subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -252,7 +364,10 @@ def test_efa_installer_runs_only_after_the_signature_checks_out(efa_site):
     done = run_efa(efa_site, efa_site["fingerprint"])
     assert done.returncode == 0, done.stdout + done.stderr
     assert "signature verified" in done.stdout and "libfabric 1.22.0amzn4.0 installed" in done.stdout
+    assert f"aws-efa-installer-{PINNED_EFA}.tar.gz signature verified" in done.stdout  # the pinned one, not latest
     assert (efa_site["prefix"] / "installer-ran-with---yes").exists()
+    versions = (efa_site["prefix"].parent / "image-versions").read_text()
+    assert versions == f"EFA_INSTALLER_VERSION={PINNED_EFA}\nLIBFABRIC_VERSION=1.22.0amzn4.0\n"
 
 
 def test_efa_installer_refuses_a_key_that_is_not_the_pinned_one(efa_site):
@@ -262,7 +377,7 @@ def test_efa_installer_refuses_a_key_that_is_not_the_pinned_one(efa_site):
 
 
 def test_efa_installer_refuses_a_tampered_tarball(efa_site):
-    tarball = efa_site["site"] / "aws-efa-installer-latest.tar.gz"
+    tarball = efa_site["site"] / f"aws-efa-installer-{PINNED_EFA}.tar.gz"
     tarball.write_bytes(tarball.read_bytes() + b"\0")
     done = run_efa(efa_site, efa_site["fingerprint"])
     assert done.returncode == 1 and "does not verify" in done.stderr
@@ -274,28 +389,50 @@ def test_builders_let_ssh_in_from_the_building_machine_only(template):
         assert source.get("temporary_security_group_source_public_ip") is True, name
 
 
-def _installed_efa(tmp_path, libfabric: str) -> dict:
+def _installed_efa(tmp_path, libfabric: str, installer: str = PINNED_EFA) -> dict:
     prefix = tmp_path / "efa"
     (prefix / "bin").mkdir(parents=True)
     (prefix / "bin" / "fi_info").write_text(f'#!/bin/sh\necho "libfabric: {libfabric}"\n')
     (prefix / "bin" / "fi_info").chmod(0o755)
     record = tmp_path / "efa_installed_packages"
-    record.write_text("# EFA installer version: 1.38.0\n")
+    record.write_text(f"# EFA installer version: {installer}\n# Debug packages installed: no\n")
     modules = tmp_path / "modules-load.d"
     modules.mkdir()
     (modules / "efa.conf").write_text("efa\nefa_nv_peermem\n")
     return {**os.environ, "EFA_PREFIX": str(prefix), "EFA_INSTALLED": str(record), "MODULES_LOAD_DIR": str(modules),
-            "EFA_URL": "http://127.0.0.1:9/nothing-here"}
+            "EFA_URL": "http://127.0.0.1:9/nothing-here", "VERSIONS_FILE": str(tmp_path / "image-versions")}
+
+
+def _newer(version: str) -> str:
+    major, minor, patch = map(int, version.split("."))
+    return f"{major}.{minor + 1}.0"
 
 
 @pytest.mark.parametrize("platform", ["neuron", "cuda"])
-def test_an_image_whose_efa_is_current_is_not_reinstalled(tmp_path, platform):
-    env = {**_installed_efa(tmp_path, "1.22.0amzn4.0"), "PLATFORM": platform}
+@pytest.mark.parametrize("installer", ["pinned", "newer"])
+def test_an_image_whose_efa_is_current_is_not_reinstalled(tmp_path, platform, installer):
+    version = PINNED_EFA if installer == "pinned" else _newer(PINNED_EFA)
+    env = {**_installed_efa(tmp_path, "1.22.0amzn4.0", version), "PLATFORM": platform}
     done = subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "the image's EFA is current (libfabric 1.22.0amzn4.0" in done.stdout
+    assert f"the image's EFA is current (installer {version} >= pinned {PINNED_EFA}, libfabric 1.22.0amzn4.0" in done.stdout
     modules = (tmp_path / "modules-load.d" / "efa.conf").read_text()
     assert modules == ("efa\n" if platform == "neuron" else "efa\nefa_nv_peermem\n")
+    # what the image really carries, beside the tag's minimum
+    assert (tmp_path / "image-versions").read_text() == f"EFA_INSTALLER_VERSION={version}\nLIBFABRIC_VERSION=1.22.0amzn4.0\n"
+
+
+def test_an_image_whose_efa_installer_is_older_than_the_pin_gets_the_pinned_one(tmp_path):
+    env = {**_installed_efa(tmp_path, "1.22.0amzn4.0", "1.38.0"), "PLATFORM": "cuda"}
+    done = subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "not reinstalling" not in done.stdout  # went for the installer (unreachable here)
+    assert f"the image has EFA installer 1.38.0 (libfabric 1.22.0amzn4.0): installing the pinned {PINNED_EFA}" in done.stdout
+
+
+def test_the_efa_version_must_be_a_pinned_release(tmp_path):
+    env = {**_installed_efa(tmp_path, "1.22.0amzn4.0"), "EFA_VERSION": "latest"}
+    done = subprocess.run(["bash", str(AMI / "scripts/10-efa.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "must be a version like" in done.stderr
 
 
 def test_an_image_whose_efa_is_too_old_is_reinstalled(tmp_path):
