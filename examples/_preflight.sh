@@ -42,16 +42,22 @@ fi
 if [[ -n "${KEY_NAME:-}" ]]; then
   launch_flags+=(--key-name "$KEY_NAME")
 fi
-# The instances read the deployment secret from SSM with their instance profile's role; without one
-# the secret can only travel in the user data, which must be asked for explicitly.
-if [[ -n "${IAM_INSTANCE_PROFILE:-}" ]]; then
-  launch_flags+=(--iam-instance-profile "$IAM_INSTANCE_PROFILE")  # also for SSM port forwarding to the router
-elif [[ "${SECRET_IN_USER_DATA:-0}" == 1 ]]; then
+# The instances read the deployment secret from SSM with their instance profile's role: by default
+# this deployment's own, neuron-disagg-$DEPLOYMENT, which `neuron-disagg instance-profile` creates
+# (launch refuses one that cannot read this deployment's secret, saying so). Without a profile the
+# secret can only travel in the user data, which must be asked for explicitly.
+if [[ "${SECRET_IN_USER_DATA:-0}" == 1 ]]; then
   launch_flags+=(--secret-in-user-data)
 else
-  fail "set IAM_INSTANCE_PROFILE to an instance profile allowed to read the deployment secret from SSM" \
-    "(examples/README.md, step 2, creates one), or SECRET_IN_USER_DATA=1 to put the secret into the" \
-    "instances' user data instead (readable by anyone allowed ec2:DescribeInstanceAttribute)"
+  IAM_INSTANCE_PROFILE="${IAM_INSTANCE_PROFILE:-neuron-disagg-$DEPLOYMENT}"
+  launch_flags+=(--iam-instance-profile "$IAM_INSTANCE_PROFILE")  # also for SSM port forwarding to the router
+fi
+# What it costs is printed before anything starts; the launch waits for a typed "yes", or YES=1.
+if [[ "${YES:-0}" == 1 ]]; then
+  launch_flags+=(--yes)
+fi
+if [[ -n "${MAX_HOURS:-}" ]]; then
+  launch_flags+=(--max-hours "$MAX_HOURS")  # every instance powers off (terminates) this long after boot
 fi
 if [[ -z "${KEY_NAME:-}" && -z "${IAM_INSTANCE_PROFILE:-}" ]]; then
   echo "note: neither IAM_INSTANCE_PROFILE nor KEY_NAME is set: nothing will reach the router on its" \

@@ -5,8 +5,8 @@
 # long prompts (prefill-bound), more D for many concurrent streams (decode-bound).
 #
 #   export AWS_REGION=us-east-2 SUBNET_ID=subnet-0123456789abcdef0
-#   export IAM_INSTANCE_PROFILE=neuron-disagg-qwen3-32b-trn2   # examples/README.md, step 2, creates it
 #   export NEURON_DISAGG_SECRET=$(openssl rand -hex 32)         # keep it: one secret per deployment
+#   .venv/bin/neuron-disagg instance-profile examples/qwen3-32b.yaml --name qwen3-32b-trn2   # once per deployment
 #   examples/launch.sh trn2.48xlarge            # 1P1D on trn2 (16 Trainium2 chips, 16 EFA cards each)
 #   examples/launch.sh p5en.48xlarge            # 1P1D on p5en (8 H200 GPUs, 16 EFA cards each)
 #   examples/launch.sh trn2.48xlarge 2 4        # 2P4D
@@ -15,8 +15,10 @@
 # The instance type is the only difference between platforms: the model config is the same file,
 # and each instance picks its platform at runtime. Optional: CAPACITY_BLOCK=cr-... (run inside a
 # purchased Capacity Block, which must hold X+Y instances of the type), KEY_NAME=key pair,
-# SECRET_IN_USER_DATA=1 (no instance profile: the secret goes into user data), DEPLOYMENT=name,
-# CONFIG=file, NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including
+# IAM_INSTANCE_PROFILE=name (default neuron-disagg-DEPLOYMENT, one per deployment: qwen3-32b-trn2,
+# qwen3-32b-p5en, qwen3-32b-2p4d-trn2, ...), SECRET_IN_USER_DATA=1 (no instance profile: the secret
+# goes into user data), YES=1 (launch without the cost confirmation), MAX_HOURS=H (every instance
+# powers off, and terminates, H hours after boot), DEPLOYMENT=name, CONFIG=file, NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including
 # baking the AMI first; `neuron-disagg launch CONFIG --instance-type T --prefill X --decode Y
 # --capacity-block-offerings 24` lists Capacity Block offers.
 set -euo pipefail

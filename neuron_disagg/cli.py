@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["simulate"]:
         from .sim.cli import main as simulate_main
         return simulate_main(argv[1:])
-    if argv[:1] and argv[0] in ("launch", "status", "teardown"):
+    if argv[:1] and argv[0] in ("launch", "status", "teardown", "instance-profile"):
         from .deploy.cli import main as deploy_main
         return deploy_main(argv)
     if argv[:1] == ["doctor"]:
@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="monolithic vs ours (push, pull) vs vLLM's NIXL connectors under load, "
                                  "side by side (see `neuron-disagg bench --help`)")
     sub.add_parser("simulate", help="discrete-event model of push vs pull serving (see `neuron-disagg simulate --help`)")
-    for name in ("launch", "status", "teardown"):
+    for name in ("launch", "status", "teardown", "instance-profile"):
         sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
     sub.add_parser("doctor", help="check this host for serving: vLLM, NIXL backends, EFA, Neuron, config (see --help)")
-    sub.add_parser("install-fabric-libs", help="Neuron hosts: put what NIXL's LIBFABRIC plugin needs besides "
-                                               "libfabric (libcuda stub, CUDA runtime, hwloc) in place (see --help)")
+    sub.add_parser("install-fabric-libs", help="put what NIXL's LIBFABRIC plugin needs besides libfabric in place "
+                                               "(Neuron: libcuda stub, CUDA runtime, hwloc; --platform cuda: CUDA "
+                                               "runtime, hwloc) (see --help)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:

@@ -7,11 +7,15 @@ DLAMI boots but lacks our units, so launch refuses it unless ``allow_stock_ami``
 
 from __future__ import annotations
 
+from typing import Any
+
 from .cloud import Cloud, placeholder
-from .errors import AmiNotFound, AwsCallFailed, PermissionDenied
+from .errors import AmiNotFound, AmiWrongPlatform, AwsCallFailed, PermissionDenied
 from .instance_types import Platform
 
 PLATFORM_TAG = "neuron-disagg:platform"
+#: What each platform's instances are, for messages.
+PLATFORM_NAMES: dict[str, str] = {"neuron": "AWS Trainium/Inferentia (Neuron)", "cuda": "NVIDIA GPU (CUDA)"}
 #: Public SSM parameters holding the latest DLAMI id (shared/notes/neuron-efa-aws.md).
 DLAMI_PARAMETERS: dict[str, str] = {
     "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
@@ -41,11 +45,22 @@ def dlami(cloud: Cloud, platform: Platform) -> str:
     return response["Parameter"]["Value"]
 
 
-def is_baked(cloud: Cloud, image_id: str) -> bool:
-    """Whether ``image_id`` carries our platform tag (``ami/`` bakes it in)."""
+def _describe(cloud: Cloud, image_id: str) -> dict[str, Any] | None:
+    """DescribeImages of one image: None in a dry run or when it is not found."""
     response = cloud.call("ec2", "DescribeImages", ImageIds=[image_id])
     images = [] if response is None else response.get("Images", [])
-    return any(tag.get("Key") == PLATFORM_TAG for image in images for tag in image.get("Tags", []))
+    return images[0] if images else None
+
+
+def image_platform(cloud: Cloud, image_id: str) -> str | None:
+    """The value of the image's ``neuron-disagg:platform`` tag (``ami/`` bakes it in); None if untagged."""
+    image = _describe(cloud, image_id) or {}
+    return next((tag.get("Value", "") for tag in image.get("Tags", []) if tag.get("Key") == PLATFORM_TAG), None)
+
+
+def is_baked(cloud: Cloud, image_id: str) -> bool:
+    """Whether ``image_id`` carries our platform tag (``ami/`` bakes it in)."""
+    return image_platform(cloud, image_id) is not None
 
 
 def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow_stock: bool = False) -> tuple[str, str]:
@@ -55,7 +70,19 @@ def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow
               "neuron-disagg's systemd units, which only a baked AMI has. Bake one with ami/build.sh "
               "(examples/README.md), or set allow_stock_ami: true to launch anyway (debugging an image)")
     if override:
-        if not (cloud.dry_run or allow_stock or is_baked(cloud, override)):
+        if cloud.dry_run:
+            return override, "ami_id in the deployment config"
+        baked_for = image_platform(cloud, override)
+        if baked_for is not None and baked_for != platform:
+            # One ami_id in a config shared between trn2 and p5en would boot one platform's image on the other.
+            raise AmiWrongPlatform(
+                f"ami_id {override} is a neuron-disagg AMI for {PLATFORM_NAMES.get(baked_for, baked_for)} instances "
+                f"(tag {PLATFORM_TAG}={baked_for}), but these instances are {PLATFORM_NAMES.get(platform, platform)} "
+                f"({platform}): they would boot without their accelerator's software, billing all the while. "
+                f"Set ami_id to an AMI baked for {platform} (`ami/build.sh -only=amazon-ebs.{platform}` bakes one; "
+                f"`aws ec2 describe-images --owners self --filters Name=tag:{PLATFORM_TAG},Values={platform}` "
+                "lists yours), or leave ami_id unset so that launch picks the newest baked AMI of each platform")
+        if baked_for is None and not allow_stock:
             raise AmiNotFound(f"ami_id {override} is not a neuron-disagg AMI (no {PLATFORM_TAG} tag): {refuse}")
         return override, "ami_id in the deployment config"
     image = baked_image(cloud, platform)
@@ -74,10 +101,28 @@ def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow
 
 def root_device(cloud: Cloud, image_id: str) -> str:
     """The image's root device name, whose volume launch sizes (``root_volume_gib``)."""
+    return root_volume(cloud, image_id)[0]
+
+
+def root_volume(cloud: Cloud, image_id: str) -> tuple[str, int | None]:
+    """(root device name, size in GiB of the image's root snapshot) in one DescribeImages. The size is
+    None where unknown (a dry run, an image without it); RunInstances refuses a root volume smaller
+    than it, and only after the security group and the secret exist (preflight.check_root_volume)."""
     response = cloud.call("ec2", "DescribeImages", ImageIds=[image_id])
     if response is None:
-        return placeholder("RootDeviceName of the image")
+        return placeholder("RootDeviceName of the image"), None
     images = response.get("Images", [])
     if not images:
         raise AmiNotFound(f"AMI {image_id} does not exist in {cloud.region} or is not shared with this account")
-    return images[0].get("RootDeviceName", "/dev/sda1")
+    image = images[0]
+    device = image.get("RootDeviceName", "/dev/sda1")
+    size = None
+    for mapping in image.get("BlockDeviceMappings", []):
+        if _same_device(mapping.get("DeviceName", ""), device) and "VolumeSize" in mapping.get("Ebs", {}):
+            size = int(mapping["Ebs"]["VolumeSize"])
+    return device, size
+
+
+def _same_device(a: str, b: str) -> bool:
+    """/dev/sda1 and sda1 name one device (both spellings occur in AMIs' mappings)."""
+    return a.removeprefix("/dev/") == b.removeprefix("/dev/")

@@ -1,4 +1,5 @@
-"""`neuron-disagg launch | status | teardown CONFIG [flags]`: AWS deployments of P/D serving.
+"""`neuron-disagg launch | status | teardown | instance-profile CONFIG [flags]`: AWS deployments of P/D
+serving.
 
 Flags override the deployment config file, so one model config serves trn2 and p5en unchanged
 (``--instance-type`` is the only difference between a trn2 and a p5en deployment: examples/launch.sh).
@@ -14,6 +15,7 @@ from typing import Any
 import boto3
 
 from ..config import ConfigError
+from . import cost, instance_profile
 from .capacity import offerings, print_offerings
 from .cloud import Cloud, DryRunCloud
 from .errors import DeployError, DeploymentConfigError
@@ -57,8 +59,16 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--router-on", choices=["prefill", "decode"], help="host of the router (default prefill)")
         parser.add_argument("--dry-run", action="store_true",
                             help="print the AWS calls (operation + parameters, one JSON line each) and make none")
+        parser.add_argument("--yes", action="store_true",
+                            help="launch without asking: the cost summary is printed, no confirmation awaited")
+        parser.add_argument("--max-hours", type=float, metavar="H",
+                            help="each instance powers off, and so terminates, H hours after its boot "
+                                 "(overrides max_hours)")
         parser.add_argument("--capacity-block-offerings", type=int, metavar="HOURS",
                             help="instead of launching: list Capacity Block offerings for the P+D count and type")
+    elif command == "instance-profile":
+        parser.add_argument("--no-sessions", action="store_true",
+                            help="leave out the SSM session actions (port forwarding to the router)")
     elif command == "status":
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         parser.add_argument("--all", action="store_true", help="include terminated instances")
@@ -74,6 +84,8 @@ _DESCRIPTIONS = {
     "launch": "Launch prefill and decode instances (with EFA on every network card) and the router.",
     "status": "List a deployment's instances with state and addresses, and whether its secret parameter exists.",
     "teardown": "Terminate a deployment's instances; delete its placement and security groups and secret parameter.",
+    "instance-profile": "Create (or complete) the deployment's instance profile neuron-disagg-<name>: a role that "
+                        "may read this deployment's secret alone (and open SSM sessions).",
 }
 
 
@@ -87,7 +99,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "decode.instance_type": get("decode_instance_type") or get("instance_type"),
         "prefill.count": get("prefill"), "decode.count": get("decode"),
         "prefill.capacity_block_id": capacity, "decode.capacity_block_id": capacity,
-        "router.host": get("router_on"),
+        "router.host": get("router_on"), "max_hours": get("max_hours"),
     }
 
 
@@ -107,6 +119,17 @@ def _cloud(deployment: DeploymentConfig, dry_run: bool) -> Cloud:
     return Cloud.connect(deployment.region, session=new_session(deployment.region))
 
 
+def _ask():
+    """How to ask the person at the terminal; None when there is none (CI, a pipe): then --yes is needed."""
+    if not sys.stdin.isatty():
+        return None
+
+    def ask(prompt: str) -> str:
+        print(prompt, end="", file=sys.stderr, flush=True)
+        return sys.stdin.readline()
+    return ask
+
+
 def _launch(args: argparse.Namespace) -> int:
     deployment = _load(args)
     if args.capacity_block_offerings is not None:
@@ -120,7 +143,7 @@ def _launch(args: argparse.Namespace) -> int:
         print_offerings(rows, deployment.prefill.instance_type, count, args.capacity_block_offerings, sys.stdout)
         return 0
     cloud = _cloud(deployment, args.dry_run)
-    result = launch(cloud, deployment)
+    result = launch(cloud, deployment, confirm=lambda bill: cost.confirm(bill, args.yes, _ask()))
     if cloud.dry_run:
         print(f"dry run: {len(cloud.calls)} calls printed, none made", file=sys.stderr)
         return 0
@@ -164,15 +187,25 @@ def _teardown(args: argparse.Namespace) -> int:
     return 0
 
 
+def _instance_profile(args: argparse.Namespace) -> int:
+    deployment = _load(args)
+    name = instance_profile.create(_cloud(deployment, False), deployment, sessions=not args.no_sessions)
+    print(f"instance profile {name}: ready; its role may read SecureString {deployment.secret_parameter} only.\n"
+          f"launch with --iam-instance-profile {name} (IAM_INSTANCE_PROFILE={name} for examples/launch.sh); "
+          "a profile seconds old may need a few more before EC2 accepts it")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """``argv[0]`` is the command: launch, status or teardown."""
     if not argv or argv[0] not in _DESCRIPTIONS:
-        print("usage: neuron-disagg launch|status|teardown CONFIG [flags]", file=sys.stderr)
+        print("usage: neuron-disagg launch|status|teardown|instance-profile CONFIG [flags]", file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     args = _parser(command).parse_args(rest)
     try:
-        return {"launch": _launch, "status": _status, "teardown": _teardown}[command](args)
+        return {"launch": _launch, "status": _status, "teardown": _teardown,
+                "instance-profile": _instance_profile}[command](args)
     except DeployError as exc:
         print(f"neuron-disagg {command}: {exc}", file=sys.stderr)
         return exc.exit_code

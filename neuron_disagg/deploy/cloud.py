@@ -71,6 +71,10 @@ def translate(exc: ClientError, operation: str, params: dict[str, Any]) -> Deplo
     return AwsCallFailed(operation, code, message)
 
 
+#: Services answered from one region only, whatever the deployment's.
+SERVICE_REGIONS = {"pricing": "us-east-1"}
+
+
 class Cloud:
     """Real calls through a boto3 session."""
 
@@ -99,7 +103,8 @@ class Cloud:
     def client(self, service: str) -> Any:
         if service not in self._clients:
             try:
-                self._clients[service] = self.session.client(service, config=self._config)
+                region = SERVICE_REGIONS.get(service)  # None: the session's
+                self._clients[service] = self.session.client(service, config=self._config, region_name=region)
             except NoRegionError:
                 raise DeployError("no AWS region: set region in the deployment config or pass --region") from None
         return self._clients[service]

@@ -56,6 +56,19 @@ class AmiNotFound(DeployError):
     """Neither a baked neuron-disagg AMI nor the DLAMI parameter could be found."""
 
 
+class AmiWrongPlatform(AmiNotFound):
+    """The AMI named (ami_id) was baked for the other platform (Neuron vs CUDA) than the instances'."""
+
+    exit_code = 2
+
+
+class LaunchLimitExceeded(DeployError):
+    """The launch would break a limit EC2 checks only once it runs: user data size, tags per resource,
+    a root volume smaller than the image's snapshot. Found before anything is created."""
+
+    exit_code = 2
+
+
 class DeploymentExists(DeployError):
     """Instances of this deployment are already running; launching again would double them."""
 

@@ -8,6 +8,7 @@ platforms. Validation is strict (unknown keys fail) and happens before any AWS c
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +91,9 @@ class DeploymentConfig(BaseModel):
     secret_in_user_data: bool = Field(
         False, description="put the secret into the instances' user data instead of SSM, for accounts "
                            "without an instance profile; anyone allowed ec2:DescribeInstanceAttribute can read it")
+    max_hours: float | None = Field(
+        None, gt=0, le=8760, description="each instance powers off, and so terminates, this many hours after "
+                                          "its boot: a forgotten deployment stops billing on its own")
     tags: dict[str, str] = Field(default_factory=dict, description="added to every resource")
     neuron_disagg: Config = Field(default_factory=Config,
                                   description="the neuron-disagg Config each instance runs with")
@@ -222,6 +226,19 @@ class DeploymentConfig(BaseModel):
 
 SESSION_ACTIONS = ("ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel",
                    "ssmmessages:CreateDataChannel", "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel")
+#: The instances' role, per deployment (instance_profile.py creates it; the advice below spells it out).
+TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+SESSIONS_POLICY = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Action": list(SESSION_ACTIONS), "Resource": "*"}]}
+
+
+def secret_policy(parameter: str) -> dict[str, Any]:
+    """ssm:GetParameter on one deployment's parameter alone, and kms:Decrypt only through SSM."""
+    return {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": f"arn:aws:ssm:*:*:parameter{parameter}"},
+        {"Effect": "Allow", "Action": "kms:Decrypt", "Resource": "*",
+         "Condition": {"StringLike": {"kms:ViaService": "ssm.*.amazonaws.com"}}}]}
 
 
 def instance_role_name(deployment: str) -> str:
@@ -235,18 +252,13 @@ def missing_instance_profile_advice(parameter: str, deployment: str) -> str:
     deployment cannot read another's secret. SSM sessions get the few actions they need rather than
     AmazonSSMManagedInstanceCore, which also allows ssm:GetParameter on every parameter."""
     role = instance_role_name(deployment)
-    policy = ('{"Version":"2012-10-17","Statement":['
-              f'{{"Effect":"Allow","Action":"ssm:GetParameter","Resource":"arn:aws:ssm:*:*:parameter{parameter}"}},'
-              '{"Effect":"Allow","Action":"kms:Decrypt","Resource":"*",'
-              '"Condition":{"StringLike":{"kms:ViaService":"ssm.*.amazonaws.com"}}}]}')
-    sessions = ('{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":['
-                + ",".join(f'"{a}"' for a in SESSION_ACTIONS) + '],"Resource":"*"}]}')
-    trust = ('{"Version":"2012-10-17","Statement":[{"Effect":"Allow",'
-             '"Principal":{"Service":"ec2.amazonaws.com"},"Action":"sts:AssumeRole"}]}')
+    policy, sessions, trust = (json.dumps(p, separators=(",", ":"))
+                               for p in (secret_policy(parameter), SESSIONS_POLICY, TRUST_POLICY))
     return (
         f"no iam_instance_profile: launch stores the deployment secret in the SSM SecureString {parameter} "
         "and each instance reads it at boot with its instance profile's role, so the instances need one.\n"
-        "Create one for this deployment (examples/README.md, step 2, explains each command):\n"
+        f"Create one for this deployment: `neuron-disagg instance-profile CONFIG --name {deployment}`, or by "
+        "hand (examples/README.md, step 2, explains each command):\n"
         f"  aws iam create-role --role-name {role} --assume-role-policy-document '{trust}'\n"
         f"  aws iam put-role-policy --role-name {role} --policy-name neuron-disagg-secret "
         f"--policy-document '{policy}'\n"

@@ -36,6 +36,7 @@ PEERS_TAG = "neuron-disagg:peers"  # -count: how many; -0, -1, ...: "role@ip" wo
 PEERS_READ_ATTEMPTS = 90  # 10 s apart: launch tags the router's host once every instance exists
 TAG_VALUE_MAX = 256
 _END = "NEURON_DISAGG_EOF"
+FATAL_PREFIX = "neuron-disagg: FATAL:"  # the console line saying why a boot gave up (status.py reads it)
 
 _HEADER = """#!/bin/bash
 # neuron-disagg {members} of deployment {name}: written by `neuron-disagg launch`.
@@ -47,6 +48,27 @@ ETC="$ROOT/etc/neuron-disagg"
 mkdir -p "$ROOT/var/log"
 exec > >(tee -a "$ROOT/var/log/neuron-disagg-user-data.log") 2>&1
 
+# A host that cannot serve must not keep billing: on any failure, say why on the serial console
+# (what `neuron-disagg status` reads back, with no IAM permission needed) and power off; launch set
+# the shutdown behaviour to terminate.
+FATAL=""
+die() {{
+  FATAL="$*"
+  echo "neuron-disagg: $FATAL" >&2
+  exit 1
+}}
+on_exit() {{
+  local status=$?
+  [[ "$status" == 0 ]] && return
+  local reason="${{FATAL:-the boot script failed (exit $status); see /var/log/neuron-disagg-user-data.log}}"
+  for console in "$ROOT/dev/console" "$ROOT/dev/ttyS0"; do
+    [[ -w "$console" ]] && echo "{fatal} $reason" > "$console" 2> /dev/null || true
+  done
+  echo "neuron-disagg: powering off in a minute, which terminates this instance"
+  shutdown -h +1 "neuron-disagg: boot failed" || poweroff
+}}
+trap on_exit EXIT
+
 imds() {{  # IMDSv2: a session token first, then the value
   local token
   token=$(curl -fsS -X PUT http://169.254.169.254/latest/api/token \\
@@ -55,15 +77,14 @@ imds() {{  # IMDSv2: a session token first, then the value
 }}
 HOST_IP=$(imds local-ipv4)
 if [[ ! "$HOST_IP" =~ ^[0-9.]+$ ]]; then
-  echo "neuron-disagg: could not read this host's private IPv4 address from the metadata service" >&2
-  exit 1
+  die "could not read this host's private IPv4 address from the metadata service"
 fi
 install -d -m 0755 "$ETC"
 # This instance's place in its launch: ami-launch-index counts the instances of one RunInstances call.
 LAUNCH_INDEX=$(imds ami-launch-index)
 case "$LAUNCH_INDEX" in
 {cases}
-  *) echo "neuron-disagg: launch index '$LAUNCH_INDEX' is not one launch planned" >&2; exit 1 ;;
+  *) die "launch index '$LAUNCH_INDEX' is not one launch planned" ;;
 esac
 echo "neuron-disagg: this is $ROLE-$INDEX"
 """
@@ -85,8 +106,7 @@ if [[ "$ROLE-$INDEX" == {host} ]]; then
       [[ "${{#peers[@]}}" == "$count" ]] && break
     fi
     if [[ "$attempt" == {attempts} ]]; then
-      echo "neuron-disagg: launch never tagged this host with its peers ({tag}-*); is tags-in-metadata on?" >&2
-      exit 1
+      die "launch never tagged this host with its peers ({tag}-*); is tags-in-metadata on?"
     fi
     sleep "${{NEURON_DISAGG_RETRY_DELAY_S:-10}}"
   done
@@ -94,13 +114,12 @@ if [[ "$ROLE-$INDEX" == {host} ]]; then
   for peer in "${{peers[@]}}"; do
     ip=${{peer#*@}}
     if [[ ! "$ip" =~ ^[0-9.]+$ ]]; then
-      echo "neuron-disagg: peer '$peer' is not role@IPv4" >&2
-      exit 1
+      die "peer '$peer' is not role@IPv4"
     fi
     case "${{peer%%@*}}" in
       prefill) router_args+=" --prefill http://$ip:{prefill_port},tp={tp}" ;;
       decode) router_args+=" --decode http://$ip:{decode_port}" ;;
-      *) echo "neuron-disagg: peer '$peer' has no role" >&2; exit 1 ;;
+      *) die "peer '$peer' has no role" ;;
     esac
   done
   printf 'ROUTER_ARGS="%s"\n' "$router_args" > "$ETC/router.env"
@@ -121,8 +140,7 @@ _SECRET_SSM = """
 # Retried: the role's credentials can take a few seconds after boot (or after the role was created)
 # to work. The value goes straight into the file, never to this log.
 if ! command -v aws > /dev/null; then
-  echo "neuron-disagg: no aws command on this AMI to read the secret from SSM with (the DLAMIs ship it)" >&2
-  exit 1
+  die "no aws command on this AMI to read the secret from SSM with (the DLAMIs ship it)"
 fi
 install -m 0600 /dev/null "$ETC/secret"
 for attempt in $(seq 1 {attempts}); do
@@ -131,13 +149,17 @@ for attempt in $(seq 1 {attempts}); do
     break
   fi
   if [[ "$attempt" == {attempts} ]]; then
-    echo "neuron-disagg: could not read the deployment secret from SecureString {parameter}: this instance's" \\
-      "profile needs ssm:GetParameter on it and kms:Decrypt through SSM (examples/README.md, step 2)" >&2
-    exit 1
+    die "could not read the deployment secret from SecureString {parameter}: this instance's" \\
+      "profile needs ssm:GetParameter on it and kms:Decrypt through SSM (examples/README.md, step 2)"
   fi
   echo "neuron-disagg: reading SecureString {parameter} failed (attempt $attempt of {attempts}); retrying" >&2
   sleep "${{NEURON_DISAGG_RETRY_DELAY_S:-10}}"
 done
+"""
+
+_MAX_HOURS = """
+# max_hours: this host powers off (and so terminates) {hours} h after its boot, whatever runs then.
+shutdown -h +{minutes} "neuron-disagg: max_hours ({hours}) reached"
 """
 
 _FILE = """
@@ -149,8 +171,7 @@ sed -i "s/{host_ip}/$HOST_IP/g" "$ETC/{path}"
 _START = """
 for unit in "${units[@]}"; do
   if ! systemctl cat "$unit.service" > /dev/null 2>&1; then
-    echo "neuron-disagg: this AMI has no $unit.service: it is not a neuron-disagg AMI; bake one with ami/build.sh" >&2
-    exit 1
+    die "this AMI has no $unit.service: it is not a neuron-disagg AMI; bake one with ami/build.sh"
   fi
 done
 systemctl daemon-reload
@@ -172,7 +193,9 @@ def render(deployment: DeploymentConfig, members: list[Member], *, secret: bytes
     says where the secret would go, never the secret)."""
     cases = "\n".join(f"  {k}) ROLE={role}; INDEX={index} ;;" for k, (role, index) in enumerate(members))
     names = ", ".join(f"{role}-{index}" for role, index in members)
-    parts = [_HEADER.format(members=names, name=deployment.name, cases=cases)]
+    parts = [_HEADER.format(members=names, name=deployment.name, cases=cases, fatal=FATAL_PREFIX)]
+    if deployment.max_hours:
+        parts.append(_MAX_HOURS.format(hours=deployment.max_hours, minutes=max(1, round(deployment.max_hours * 60))))
     config = dict(deployment.instance_config(), side_channel_host=HOST_IP)
     parts.append(_FILE.format(path="config.yaml", end=_END, host_ip=HOST_IP,
                               body=yaml.safe_dump(config, sort_keys=True)))

@@ -12,11 +12,17 @@ What moto 5.2 lacks, and what stands in (each visible in the tests that use it):
   those the same way; every other SSM call (the deployment secret's SecureString) goes to moto.
 - Capacity Blocks: botocore's Stubber on the client.
 - an InsufficientInstanceCapacity answer: ``MotoGaps.fail_run_instances``.
+- failures moto never gives: CreateTags answering InvalidInstanceID.NotFound (EC2's eventual
+  consistency) or any error (``create_tags_failures``), and a RunInstances whose answer is lost after
+  the instances exist (``raise_after_run_instances``).
+- serial console text: moto answers GetConsoleOutput with a fixed sample; ``console`` sets an instance's.
 Never real AWS: every test runs with AWS_ENDPOINT_URL set, credentials ``testing`` and IMDS off.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
 import io
 import json
 import os
@@ -110,6 +116,9 @@ class MotoGaps:
         self.fail_after: int = 0  # ... after this many RunInstances went through
         self.raise_on_run_instances: Exception | None = None  # raised instead, e.g. a read timeout
         self.capacity_reservations: dict[str, dict[str, Any]] = {}  # id -> DescribeCapacityReservations entry
+        self.create_tags_failures: list[tuple[str, str]] = []  # (code, message) answered to the next CreateTags
+        self.raise_after_run_instances: Exception | None = None  # raised once moto started them: an answer lost
+        self.console: dict[str, str] = {}  # instance id -> its serial console text (moto's is a fixed sample)
         self._params: dict[str, Any] = {}
 
     def install(self, session: boto3.Session) -> None:
@@ -123,6 +132,8 @@ class MotoGaps:
         events.register("before-call.ec2.DescribeCapacityReservations", self._reservations)
         events.register("before-send.ec2.RunInstances", self._record)
         events.register("after-call.ec2.RunInstances", self._launch_indexes)
+        events.register("before-call.ec2.CreateTags", self._maybe_fail_tags)
+        events.register("before-call.ec2.GetConsoleOutput", self._console_output)
 
     def _keep_params(self, params, **_):
         self._params = dict(params)
@@ -159,12 +170,20 @@ class MotoGaps:
         return _answer({"CapacityReservations": [self.capacity_reservations[r] for r in wanted]})
 
     def reserve(self, reservation_id: str, instance_type: str, zone: str, *, capacity_block: bool = True,
-                state: str = "active", free: int = 4, total: int = 4) -> None:
-        self.capacity_reservations[reservation_id] = {
+                state: str = "active", free: int = 4, total: int = 4, hours_left: float | None = 24.0,
+                placement_group: str | None = None) -> None:
+        """``hours_left``: until the end time (a Capacity Block always has one; None: no end)."""
+        entry = {
             "CapacityReservationId": reservation_id, "InstanceType": instance_type, "AvailabilityZone": zone,
             "State": state, "AvailableInstanceCount": free, "TotalInstanceCount": total,
             "ReservationType": "capacity-block" if capacity_block else "default",
             "StartDate": "2026-12-24T11:30:00+00:00"}
+        if hours_left is not None:
+            end = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=hours_left)
+            entry.update(EndDate=end.isoformat(timespec="seconds"), EndDateType="limited")
+        if placement_group:
+            entry["PlacementGroupArn"] = f"arn:aws:ec2:{REGION}:123456789012:placement-group/{placement_group}"
+        self.capacity_reservations[reservation_id] = entry
 
     def _maybe_fail(self, **_):
         if self.raise_on_run_instances is not None and len(self.run_instances_wire) >= self.fail_after:
@@ -173,6 +192,15 @@ class MotoGaps:
             return error(*self.fail_run_instances, status=500)
         return None
 
+    def _maybe_fail_tags(self, **_):
+        return error(*self.create_tags_failures.pop(0)) if self.create_tags_failures else None
+
+    def _console_output(self, **_):
+        instance_id = self._params["InstanceId"]
+        if instance_id not in self.console:
+            return None
+        return _answer({"InstanceId": instance_id, "Output": base64.b64encode(self.console[instance_id].encode()).decode()})
+
     def _launch_indexes(self, parsed, **_):
         """moto leaves out each instance's AmiLaunchIndex (it creates them in that order); AWS does
         not promise the list's order: answer with the indexes, in reverse."""
@@ -180,6 +208,8 @@ class MotoGaps:
         for index, instance in enumerate(instances):
             instance["AmiLaunchIndex"] = index
         instances.reverse()
+        if self.raise_after_run_instances is not None:
+            raise self.raise_after_run_instances
 
     def _record(self, request, **_):
         body = request.body.decode() if isinstance(request.body, bytes) else request.body
@@ -234,11 +264,15 @@ def session(aws_env, gaps, public_parameters) -> boto3.Session:
 
 @pytest.fixture
 def instance_profile(session) -> str:
-    """The instance profile the test configs name, in moto's IAM (RunInstances checks that it exists)."""
+    """The instance profile the test configs name, in moto's IAM (RunInstances checks that it exists),
+    whose role may read every deployment's secret (launch checks that it may read its own)."""
     iam = session.client("iam")
     iam.create_role(RoleName=INSTANCE_PROFILE, AssumeRolePolicyDocument=json.dumps({
         "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
                                                 "Action": "sts:AssumeRole"}]}))
+    iam.put_role_policy(RoleName=INSTANCE_PROFILE, PolicyName="secrets", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "ssm:GetParameter",
+                                                "Resource": "arn:aws:ssm:*:*:parameter/*"}]}))
     iam.create_instance_profile(InstanceProfileName=INSTANCE_PROFILE)
     iam.add_role_to_instance_profile(InstanceProfileName=INSTANCE_PROFILE, RoleName=INSTANCE_PROFILE)
     return INSTANCE_PROFILE

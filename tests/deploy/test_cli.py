@@ -17,9 +17,10 @@ from botocore.stub import Stubber
 from neuron_disagg.deploy import cli
 from neuron_disagg.deploy.capacity import offerings, print_offerings
 from neuron_disagg.deploy.cloud import Cloud, translate
+from neuron_disagg.deploy.cost import LaunchNotConfirmed
 from neuron_disagg.deploy.errors import MissingCredentials, PermissionDenied, QuotaExceeded
 
-from .conftest import REGION, SECRET, subnet_in, write_config
+from .conftest import REGION, SECRET, register_image, subnet_in, write_config
 
 pytestmark = pytest.mark.integration  # moto as a server process, and the installed command
 
@@ -107,8 +108,10 @@ def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami,
     config = str(write_config(tmp_path, network, prefill={"count": 1}, decode={"count": 1}))
     trn1_zone = subnet_in(ec2, network, f"{REGION}c")
 
-    assert cli.main(["launch", config, "--instance-type", "trn1.32xlarge", "--name", "cli", "--subnet", trn1_zone]) == 0
+    assert cli.main(["launch", config, "--instance-type", "trn1.32xlarge", "--name", "cli", "--subnet", trn1_zone,
+                     "--yes"]) == 0
     out, err = capsys.readouterr()
+    assert "2 x trn1.32xlarge: $21.50/h each" in err and "$1,032 a day" in err  # moto has no Price List API
     assert "1P1D launched" in err and "cli-prefill-0" in out and "<- router" in out
     assert "the secret is in SecureString /neuron-disagg/cli/secret; teardown deletes it" in err
     assert SECRET not in out + err
@@ -133,6 +136,21 @@ def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami,
     assert cli.main(["status", config, "--name", "cli"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "deployment cli: no instances", "secret: SecureString /neuron-disagg/cli/secret does not exist"]
+
+
+def test_a_live_launch_nobody_confirmed_creates_nothing(use_session, network, baked_ami, ec2, gaps, ssm, tmp_path,
+                                                        capsys):
+    """Issue 35, item 6: launch used to go live at once, with no word of the cost."""
+    config = str(write_config(tmp_path, network, max_hours=6))
+    register_image(ec2, "neuron-disagg-cuda-test", "cuda")
+    assert cli.main(["launch", config, "--instance-type", "p5en.48xlarge"]) == LaunchNotConfirmed.exit_code
+    err = capsys.readouterr().err
+    assert "launch t1 in us-east-2:\n  2 x p5en.48xlarge: $63.30/h each" in err
+    assert "about $126.59 an hour, $3,038 a day" in err and "terminates 6 h after its boot (max_hours): at most about $760" in err
+    assert "not launched: no terminal to confirm at; pass --yes to launch" in err
+    assert ec2.describe_instances()["Reservations"] == [] and gaps.placement_groups == {}
+    assert {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]} == {"default"}
+    assert ssm.describe_parameters()["Parameters"] == []
 
 
 def test_launch_without_an_instance_profile_says_how_to_create_one(aws_env, network, tmp_path, capsys):

@@ -55,14 +55,18 @@ def test_example_scripts_pass_shellcheck(script):
 @pytest.mark.parametrize("instance_type", ["trn2.48xlarge", "p5en.48xlarge"])
 def test_dry_run_of_1p1d_on_either_platform_shares_one_config(tmp_path, instance_type):
     done = run("launch.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                      KEY_NAME="k", IAM_INSTANCE_PROFILE="neuron-disagg"), instance_type)
+                                      KEY_NAME="k", MAX_HOURS="8"), instance_type)
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert [(p["InstanceType"], p["MinCount"], p["MaxCount"]) for p in params] == [(instance_type, 2, 2)]
     assert all(p["KeyName"] == "k" and "MODEL=\"Qwen/Qwen3-32B\"" in p["UserData"] for p in params)
     assert all("--tensor-parallel-size 8" in p["UserData"] for p in params)
-    assert all(p["IamInstanceProfile"] == {"Name": "neuron-disagg"} for p in params)
+    assert all('shutdown -h +480 "neuron-disagg: max_hours (8.0) reached"' in p["UserData"] for p in params)
+    assert all(p["InstanceInitiatedShutdownBehavior"] == "terminate" for p in params)
     deployment = f"qwen3-32b-{instance_type.split('.')[0]}"
+    # each deployment's own profile, the one `neuron-disagg instance-profile --name DEPLOYMENT` creates
+    assert all(p["IamInstanceProfile"] == {"Name": f"neuron-disagg-{deployment}"} for p in params)
+    assert f"launch {deployment} in us-east-2:\n  2 x {instance_type}: $" in done.stderr
     assert [(p["Name"], p["Type"], p["Value"]) for p in calls(done.stdout, "ssm:PutParameter")] == [
         (f"/neuron-disagg/{deployment}/secret", "SecureString", "<redacted>")]
     assert "calls printed, none made" in done.stderr
@@ -79,12 +83,13 @@ def test_secret_in_user_data_is_the_explicit_way_without_an_instance_profile(tmp
 
 def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
     done = run("launch.sh", clean_env(tmp_path, DRY_RUN="1", AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc",
-                                      CAPACITY_BLOCK="cr-0123", IAM_INSTANCE_PROFILE="neuron-disagg"),
+                                      CAPACITY_BLOCK="cr-0123"),
                "p5en.48xlarge", "2", "3")
     assert done.returncode == 0, done.stderr
     params = launches(done.stdout)
     assert [(p["InstanceType"], p["MinCount"]) for p in params] == [("p5en.48xlarge", 5)]  # one call, all or none
     assert all(p["InstanceMarketOptions"] == {"MarketType": "capacity-block"} for p in params)
+    assert all(p["IamInstanceProfile"] == {"Name": "neuron-disagg-qwen3-32b-2p3d-p5en"} for p in params)
     assert [p["Name"] for p in calls(done.stdout, "ssm:PutParameter")] == ["/neuron-disagg/qwen3-32b-2p3d-p5en/secret"]
     for wrong in (("two",), ("p5en.48xlarge", "2"), ("p5en.48xlarge", "x", "3")):
         usage = run("launch.sh", clean_env(tmp_path), *wrong)
@@ -97,7 +102,6 @@ def test_xpyd_dry_run_launches_x_plus_y(tmp_path):
     ({"AWS_ACCESS_KEY_ID": ""}, "no AWS credentials found"),
     ({"NEURON_DISAGG_SECRET": ""}, "set NEURON_DISAGG_SECRET"),
     ({"NEURON_DISAGG_VENV": "/nonexistent"}, "run scripts/setup.sh"),
-    ({"IAM_INSTANCE_PROFILE": ""}, "set IAM_INSTANCE_PROFILE to an instance profile allowed to read"),
 ])
 def test_aws_examples_fail_early_with_a_clear_message(tmp_path, missing, message):
     env = clean_env(tmp_path, AWS_REGION="us-east-2", SUBNET_ID="subnet-0abc", AWS_ACCESS_KEY_ID="x",
@@ -123,7 +127,8 @@ def test_walk_through_creates_the_instance_profile_the_launch_message_names():
     statements = {s["Action"]: s for s in policy["Statement"]}
     assert statements["ssm:GetParameter"]["Resource"] == "arn:aws:ssm:*:*:parameter/neuron-disagg/qwen3-32b-trn2/secret"
     assert "AmazonSSMManagedInstanceCore" not in message
-    assert "IAM_INSTANCE_PROFILE=neuron-disagg-qwen3-32b-trn2" in readme
+    for family in ("trn2", "p5en"):  # each deployment of the walk-through gets its own (issue 35, item 3)
+        assert f"neuron-disagg instance-profile examples/qwen3-32b.yaml --name qwen3-32b-{family}" in readme
 
 
 def test_local_example_needs_the_venv(tmp_path):

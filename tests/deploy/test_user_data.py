@@ -48,6 +48,9 @@ def fake_bin(tmp_path: Path, units_present: bool = True, aws_failures: int = 0) 
                  f'[[ -f "{imds}/$path" ]] || exit 22\ncat "{imds}/$path"\n'),
         "systemctl": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/systemctl.log"\n'
                       + ('' if units_present else '[[ "$1" == cat ]] && exit 1\n') + 'exit 0\n'),
+        # never the host's own: a boot that fails powers its host off
+        "shutdown": '#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/shutdown.log"\n',
+        "poweroff": '#!/bin/bash\necho poweroff >> "$NEURON_DISAGG_ROOT/shutdown.log"\n',
         "aws": ('#!/bin/bash\necho "$*" >> "$NEURON_DISAGG_ROOT/aws.log"\n'
                 f'if [[ $(wc -l < "$NEURON_DISAGG_ROOT/aws.log") -le {aws_failures} ]]; then\n'
                 '  echo "An error occurred (AccessDeniedException) when calling the GetParameter operation" >&2\n'
@@ -67,7 +70,8 @@ def run_script(script: str, tmp_path: Path, units_present: bool = True, aws_fail
     """Runs a boot script as the instance with ``launch_index`` in its launch, with ``instance_tags``
     in its metadata."""
     root = tmp_path / "root"
-    root.mkdir()
+    (root / "dev").mkdir(parents=True)
+    (root / "dev/console").touch()  # the serial console a failed boot writes its reason to
     imds = tmp_path / "imds"
     for path, value in {"local-ipv4": host_ip, "ami-launch-index": str(launch_index),
                         **{f"tags/instance/{k}": v for k, v in (instance_tags or {}).items()}}.items():
@@ -267,3 +271,39 @@ def test_router_unit_reads_its_arguments_and_the_shared_config():
     service = unit("router")["Service"]
     assert service["ExecStart"] == ("/opt/neuron-disagg/venv/bin/neuron-disagg router "
                                     "--config /etc/neuron-disagg/config.yaml $ROUTER_ARGS")
+
+
+@pytest.mark.parametrize("arrange, reason", [
+    (dict(aws_failures=99), "could not read the deployment secret from SecureString /neuron-disagg/t1/secret"),
+    (dict(units_present=False), "not a neuron-disagg AMI; bake one with ami/build.sh"),
+    (dict(launch_index=7), "launch index '7' is not one launch planned"),
+    (dict(host_ip="not-an-address"), "could not read this host's private IPv4 address"),
+])
+def test_a_boot_that_gives_up_says_why_on_the_console_and_powers_off(tmp_path, arrange, reason):
+    """Issue 35, item 2: a boot that cannot serve used to exit and leave its host billing."""
+    done, root = run_script(user_data.render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path,
+                            **arrange)
+    assert done.returncode == 1
+    console = (root / "dev/console").read_text()
+    assert console.startswith(user_data.FATAL_PREFIX) and reason in console, console
+    assert (root / "shutdown.log").read_text().splitlines() == ["-h +1 neuron-disagg: boot failed"]
+
+
+def test_an_unforeseen_failure_powers_off_too_and_points_at_the_log(tmp_path):
+    script = user_data.render(deployment(tmp_path), [("decode", 0)], secret=SECRET.encode())
+    script = script.replace("LAUNCH_INDEX=$(imds ami-launch-index)", "LAUNCH_INDEX=$(imds no-such-path)")
+    done, root = run_script(script, tmp_path)
+    assert done.returncode != 0
+    assert "the boot script failed (exit 22); see /var/log/neuron-disagg-user-data.log" in (
+        root / "dev/console").read_text()
+    assert (root / "shutdown.log").exists()
+
+
+def test_a_boot_that_serves_leaves_its_host_up_unless_max_hours_says_otherwise(tmp_path):
+    done, root = run_script(user_data.render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path)
+    assert done.returncode == 0 and not (root / "shutdown.log").exists()
+    assert (root / "dev/console").read_text() == ""
+    done, root = run_script(user_data.render(deployment(tmp_path, max_hours=1.5), [("decode", 0)], secret=None),
+                            tmp_path / "again")
+    assert done.returncode == 0
+    assert (root / "shutdown.log").read_text().splitlines() == ["-h +90 neuron-disagg: max_hours (1.5) reached"]
