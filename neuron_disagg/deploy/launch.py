@@ -123,7 +123,7 @@ def run_instances_params(deployment: DeploymentConfig, launch: LaunchGroup, info
 
 
 def check_reservations(cloud: Cloud, deployment: DeploymentConfig, zone: str,
-                       types: dict[str, InstanceTypeInfo] | None = None) -> dict[str, reservations.Reservation]:
+                       types: dict[str, InstanceTypeInfo]) -> dict[str, reservations.Reservation]:
     """Each reservation named in the config, described and checked against what will launch into it."""
     wanted: dict[str, tuple[str, int]] = {}
     for group in (deployment.prefill, deployment.decode):
@@ -134,8 +134,7 @@ def check_reservations(cloud: Cloud, deployment: DeploymentConfig, zone: str,
                     f"prefill and decode name the same reservation {group.capacity_block_id} with different "
                     f"instance types ({instance_type}, {group.instance_type}); a reservation holds one type")
             wanted[group.capacity_block_id] = (instance_type, count + group.count)
-    platform = lambda instance_type: (types or {}).get(instance_type) and types[instance_type].platform  # noqa: E731
-    return {rid: reservations.check(cloud, rid, instance_type, zone, count, platform=platform(instance_type) or "neuron")
+    return {rid: reservations.check(cloud, rid, instance_type, zone, count, platform=types[instance_type].platform)
             for rid, (instance_type, count) in wanted.items()}
 
 
