@@ -12,9 +12,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import httpx
 
@@ -101,14 +103,7 @@ class Instance:
         self._signal(signal.SIGCONT)
 
     def stop(self, timeout_s: float = 20) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return self._signal(signal.SIGKILL)  # reap any leftover children of the group
-        self._signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self._signal(signal.SIGKILL)
+        stop_together([self], timeout_s)
 
     def _signal(self, sig) -> None:
         if self.process is None:
@@ -122,6 +117,24 @@ class Instance:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def stop_together(instances: Iterable[Instance], timeout_s: float = 20) -> None:
+    """SIGTERM to every instance at once, then each given until ``timeout_s`` from then to exit
+    before its whole group is killed: a vLLM server's shutdown is seconds of waiting on its engine
+    and workers, which instances stopped one after another would add up."""
+    instances = list(instances)
+    running = [i for i in instances if i.process is not None and i.process.poll() is None]
+    for instance in running:
+        instance._signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for instance in running:
+        try:
+            instance.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for instance in instances:
+        instance._signal(signal.SIGKILL)  # what outlived the deadline, and any leftover children
 
 
 def start_in_waves(*waves: list[Instance], started: list[Instance]) -> None:
@@ -182,6 +195,7 @@ def monolithic(model: str, port: int, cpu: str, python: str = sys.executable, **
 
 
 _handed_out: set[int] = set()
+_handing_out = threading.Lock()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -209,6 +223,11 @@ def free_port() -> int:
     server (up to a minute later) binds it; meanwhile vLLM's distributed init, UCX listeners and
     every outgoing connection draw from the same range, and one of them can take it. So pick below
     the ephemeral range, where the kernel never allocates, and never hand out a port twice."""
+    with _handing_out:  # two threads starting servers (the demo test runs two demos at once)
+        return _pick_free_port()
+
+
+def _pick_free_port() -> int:
     import random
     import socket
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
-                             router)
+                             router, stop_together)
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull")
@@ -89,8 +89,7 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
                 instance.wait_ready(60)
         yield running
     finally:
-        for instance in reversed(launched):
-            instance.stop()
+        stop_together(launched)
 
 
 def _build(group: tuple[str, ...], server: ServerSettings) -> Running:

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from .. import timeline
 from . import tiny_model
-from ..local_cluster import disaggregated, free_port, router, start_in_waves
+from ..local_cluster import disaggregated, free_port, router, start_in_waves, stop_together
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy river",
@@ -125,7 +125,6 @@ def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: d
         ok = False
     finally:
         with console.status("stopping the router and both instances..."):
-            for instance in reversed(started):
-                instance.stop()
+            stop_together(started)
     console.print("[green]all answers matched[/]" if ok else "[red]demo did not pass[/]")
     return 0 if ok else 1

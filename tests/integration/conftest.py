@@ -44,6 +44,7 @@ def cluster(request):
     from .vllm_cluster import running
 
     with running(main_env() if request.param == "main" else extra_env(request.param)) as c:
+        c.param = request.param  # which of this fixture's params it is (tests pick spares by it)
         yield c
 
 

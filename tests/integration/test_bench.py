@@ -21,7 +21,7 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     out = tmp_path / "results"
     run = subprocess.run([sys.executable, "-m", "neuron_disagg.cli", "bench", "--modes", "monolithic,push,vllm-push",
                           "--rates", "4", "--prompts", "4", "--input-lens", "128", "--output-len", "8",
-                          "--no-warmup", "--no-drift-check", "--results", str(out)], capture_output=True, text=True, timeout=900)
+                          "--no-warmup", "--no-drift-check", "--idle-seconds", "1", "--results", str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     written = json.loads((out / "results.json").read_text())
     runs = {r["mode"]: r for r in written["runs"]}
@@ -41,3 +41,5 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
         assert (out / name).stat().st_size > 0
     assert "TTFT/mono" in run.stdout
     assert written["meta"].get("drift") in (None, [])  # asked not to measure it
+    idle = written["meta"]["idle_cpu_percent"]  # over 1 s here (10 by default): measured, not judged
+    assert set(idle) == {"monolithic", "push", "vllm-push"} and all(idle.values()), idle

@@ -4,16 +4,15 @@ and more than D's watchdog, in push and in pull. Every request must be answered 
 tokens (D computes the prompt itself where the KV could not arrive), within the pause plus D's
 bound, and both instances must come back to no blocks in use and none held.
 
-A dedicated P and D (with their own router) are paused, so the instances the other tests share
-never are. Each scenario appends its row to the file named by NEURON_DISAGG_FAULT_MATRIX when set
-(the table in docs/faults.md comes from there)."""
+The cluster's own P and D are paused, behind a router of their own. Each scenario appends its row
+to the file named by NEURON_DISAGG_FAULT_MATRIX when set (the table in docs/faults.md comes from
+there)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-import tempfile
 import time
 
 import httpx
@@ -38,21 +37,19 @@ EARLY, LATE = 2, 2  # requests sent just before the pause, and while the instanc
 
 @pytest.fixture(scope="module")
 def hung(cluster):
-    """A P, a D and a router of their own, sharing the cluster's vLLM, model and secret."""
-    p_side = free_port()
-    marks = tempfile.mkdtemp(prefix="neuron-disagg-hung-timeline-")  # for a mismatch's report
-    p = cluster.instance("prefill", p_side, "0", {**TIMEOUTS, "timeline_dir": marks})
-    d = cluster.instance("decode", free_port(), "1", {**TIMEOUTS, "timeline_dir": marks})
-    r = router([(p.url, p_side)], [d.url], free_port(), secret=cluster.secret,
-               extra_args=("--health-interval-s", "1", "--timeline-dir", marks))
+    """The cluster's P and D behind a router of their own that checks health every second. The
+    other tests' instances are the ones paused here: each scenario ends only once both serve again
+    with nothing held, and a dedicated pair would cost two more vLLM starts."""
+    r = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port(), secret=cluster.secret,
+               extra_args=("--health-interval-s", "1", "--timeline-dir", cluster.timeline_dir))
     started = []
     try:
-        start_in_waves([p, d], [r], started=started)
-        yield {"prefill": p, "decode": d, "router": r, "timeline": marks}
+        start_in_waves([r], started=started)
+        yield {"prefill": cluster.p, "decode": cluster.d, "router": r, "timeline": cluster.timeline_dir}
     finally:
-        for instance in started:
+        for instance in (cluster.p, cluster.d):
             instance.resume()  # never leave a stopped group behind
-            instance.stop()
+        r.stop()
 
 
 def _nothing_in_use(instance) -> bool:

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 
 from neuron_disagg import timeline  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
-from neuron_disagg.local_cluster import free_port, router  # noqa: E402
+from neuron_disagg.local_cluster import free_port, router, stop_together  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion,
@@ -89,21 +89,6 @@ def test_client_aborts_before_registration_during_transfer_and_decode(cluster):
     assert got == want
 
 
-@pytest.mark.every_vllm  # what differs between vLLM versions
-def test_decode_leg_without_a_live_prefill_is_recomputed_within_the_watchdog_bound(cluster):
-    """P is gone (nothing listens on its side channel): D computes the prompt itself once its
-    watchdog gives up on P (kv_load_failure_policy: recompute, the default) — monolithic's answer,
-    not an error and not a hang — and counts it."""
-    text = prompt(40, 13)
-    before = metric(cluster.d, "neuron_disagg_recomputed_total")
-    response, elapsed = run(_decode_alone(cluster, cluster.d, text))
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"] == run(_reference(cluster, text, 8))
-    assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
-    wait_for(lambda: metric(cluster.d, "neuron_disagg_recomputed_total") > before, 30, "D counting the recompute")
-    blocks_back(cluster)
-
-
 async def _decode_alone(c, decode, text: str) -> tuple[httpx.Response, float]:
     _, d_body = legs(c, text, 8, p_side=free_port())
     async with httpx.AsyncClient(timeout=60) as client:
@@ -117,44 +102,114 @@ async def _reference(c, text: str, max_tokens: int) -> str:
         return await reference(c, client, text, max_tokens)
 
 
+def _spare_instances(cluster) -> dict:
+    """How each instance some tests here need besides the cluster's is built (not started)."""
+    doomed_side, doomed_marks = free_port(), tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
+    return {
+        # kv_load_failure_policy: fail
+        "failing_decode": lambda: cluster.instance("decode", free_port(), "1",
+                                                   {**TIMEOUTS, "kv_load_failure_policy": "fail"}),
+        # Its KV cache holds one max-length request.
+        "small_decode": lambda: cluster.instance("decode", free_port(), "1", PATIENT, kv_cache_bytes=10 << 20),
+        # A bug kills its push receiver, injected from outside (tests/integration/inject).
+        "broken_decode": lambda: cluster.instance("decode", free_port(), "1", dict(TIMEOUTS), env={
+            "PYTHONPATH": str(Path(__file__).parent / "inject"), "NEURON_DISAGG_TEST_BREAK_RECEIVER": "1"}),
+        # A P to kill, with its own timeline to see a registration reach it.
+        "doomed_prefill": lambda: cluster.instance("prefill", doomed_side, "0",
+                                                   {**PATIENT, "timeline_dir": doomed_marks}),
+    }, {"doomed_prefill": (doomed_side, doomed_marks)}
+
+
 @pytest.fixture(scope="module")
-def failing_decode(cluster):
-    """A decode instance with kv_load_failure_policy: fail."""
-    instance = cluster.instance("decode", free_port(), "1", {**TIMEOUTS, "kv_load_failure_policy": "fail"}).start()
+def spares(cluster, request):
+    """The extra instances this module's tests on this cluster ask for, started together: a vLLM
+    start is mostly waiting on imports in three processes, so four starting at once take about
+    twice as long as one, not four times (measured: docs/testing.md). Stopped at the module's end."""
+    wanted = {name for item in request.session.items
+              if item.module is request.module
+              and getattr(getattr(item, "callspec", None), "params", {}).get("cluster") == cluster.param
+              for name in item.fixturenames if name in SPARE_NAMES}
+    builders, extras = _spare_instances(cluster)
+    started = {}
     try:
-        yield instance.wait_ready()
+        for name in sorted(wanted):
+            started[name] = builders[name]().start()
+        for instance in started.values():
+            instance.wait_ready()
+        yield {name: (instance, *extras.get(name, ())) if name in extras else instance
+               for name, instance in started.items()}
     finally:
-        instance.stop()
+        stop_together(started.values())
+
+
+SPARE_NAMES = ("failing_decode", "small_decode", "broken_decode", "doomed_prefill")
+
+
+@pytest.fixture
+def failing_decode(spares):
+    return spares["failing_decode"]
+
+
+@pytest.fixture
+def small_decode(spares):
+    return spares["small_decode"]
+
+
+@pytest.fixture
+def broken_decode(spares):
+    return spares["broken_decode"]
+
+
+@pytest.fixture
+def doomed_prefill(spares):
+    """(the instance, its side channel port, its timeline directory)"""
+    return spares["doomed_prefill"]
 
 
 @pytest.mark.every_vllm  # what differs between vLLM versions
-def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_watchdog_bound(cluster, failing_decode):
-    """kv_load_failure_policy: fail. Straight to D (with the X-Request-Id the router sends) and
-    through the router, streaming and not: an error within the bound that says why the KV did not
-    come, never vLLM's bare "Internal server error"."""
-    _, d_body = legs(cluster, prompt(40, 15), 8, p_side=free_port())  # nothing listens there
-    tid = d_body["kv_transfer_params"]["transfer_id"]
-    started = time.monotonic()
-    response = httpx.post(f"{failing_decode.url}/v1/completions", json=d_body, headers={"X-Request-Id": tid},
-                          timeout=D_BOUND_S + 30)
-    elapsed = time.monotonic() - started
-    assert response.status_code == 500, response.text
-    assert response.json()["error"]["message"].startswith("KV transfer failed: "), response.text
-    assert elapsed < D_BOUND_S + 5, f"took {elapsed:.1f} s, bound {D_BOUND_S} s"
-    # P computes each prompt, but D registers with a side channel nobody listens on.
+def test_a_decode_leg_without_a_live_prefill_is_recomputed_or_fails_by_policy_within_the_watchdog_bound(
+        cluster, failing_decode):
+    """P is gone: nothing listens on the side channel D registers with. Under the default policy
+    (kv_load_failure_policy: recompute) D computes the prompt itself once its watchdog gives up on P
+    — monolithic's answer, not an error and not a hang — and counts it. Under ``fail``, straight to
+    D (with the X-Request-Id the router sends) and through the router, streaming and not: an error
+    within the bound that says why the KV did not come, never vLLM's bare "Internal server error".
+    All four at once, so that one watchdog wait covers them."""
+    recompute_text = prompt(40, 13)
+    _, recompute_body = legs(cluster, recompute_text, 8, p_side=free_port())
+    _, fail_body = legs(cluster, prompt(40, 15), 8, p_side=free_port())
+    tid = fail_body["kv_transfer_params"]["transfer_id"]
+    recomputed_before = metric(cluster.d, "neuron_disagg_recomputed_total")
+    # Through the router P computes each prompt, but D registers with a side channel nobody listens on.
     r = router([(cluster.p.url, free_port())], [failing_decode.url], free_port(), secret=cluster.secret).start()
     try:
         r.wait_ready(60)
 
-        async def through_the_router():
+        async def timed(request):
+            started = time.monotonic()
+            response = await request
+            return response, time.monotonic() - started
+
+        async def scenario():
             async with httpx.AsyncClient(timeout=D_BOUND_S + 30) as client:
                 return await asyncio.gather(
+                    timed(client.post(f"{cluster.d.url}/v1/completions", json=recompute_body)),
+                    timed(client.post(f"{failing_decode.url}/v1/completions", json=fail_body,
+                                      headers={"X-Request-Id": tid})),
                     client.post(f"{r.url}/v1/completions", json=body(prompt(40, 16), 8)),
                     client.post(f"{r.url}/v1/completions", json=body(prompt(40, 17), 8, stream=True)))
 
-        answered, streamed = run(through_the_router())
+        (recomputed, recompute_s), (failed, fail_s), answered, streamed = run(scenario())
     finally:
         r.stop()
+    assert recomputed.status_code == 200, recomputed.text
+    assert recomputed.json()["choices"][0]["text"] == run(_reference(cluster, recompute_text, 8))
+    assert recompute_s < D_BOUND_S + 5, f"recomputed after {recompute_s:.1f} s, bound {D_BOUND_S} s"
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_recomputed_total") > recomputed_before, 30,
+             "D counting the recompute")
+    assert failed.status_code == 500, failed.text
+    assert failed.json()["error"]["message"].startswith("KV transfer failed: "), failed.text
+    assert fail_s < D_BOUND_S + 5, f"failed after {fail_s:.1f} s, bound {D_BOUND_S} s"
     assert answered.status_code == 502, answered.text
     error = answered.json()["error"]
     assert error["code"] == "kv_transfer_failed" and error["message"].startswith("KV transfer failed: "), error
@@ -162,16 +217,15 @@ def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_wat
               if line.startswith("data: {")]
     assert any(e.get("error", {}).get("message", "").startswith("KV transfer failed: ") for e in events), streamed.text
     wait_for(lambda: kv_usage(failing_decode) == 0.0, 20, "the failing D's KV usage back to 0")
+    blocks_back(cluster)
 
 
-def test_a_decode_whose_transfer_thread_dies_fails_its_request_at_once_and_stops(cluster):
+def test_a_decode_whose_transfer_thread_dies_fails_its_request_at_once_and_stops(cluster, broken_decode):
     """A bug that kills D's push receiver (injected from outside: tests/integration/inject) must not
     leave its requests waiting forever with their blocks held: the engine stops at its next step,
     the client gets an error within seconds, and the instance exits saying which thread died."""
-    broken = cluster.instance("decode", free_port(), "1", dict(TIMEOUTS), env={
-        "PYTHONPATH": str(Path(__file__).parent / "inject"), "NEURON_DISAGG_TEST_BREAK_RECEIVER": "1"}).start()
+    broken = broken_decode
     try:
-        broken.wait_ready()
         response, took = run(_decode_alone(cluster, broken, prompt(40, 18)))
         assert response.status_code == 500 and took < 10, (response.status_code, response.text, took)
         broken.process.wait(60)
@@ -181,14 +235,11 @@ def test_a_decode_whose_transfer_thread_dies_fails_its_request_at_once_and_stops
     assert "TransferThreadDied: neuron-disagg-push-receiver-0 died (RuntimeError: a bug in the receiver" in log
 
 
-def test_prefill_killed_after_the_registration_reached_it_is_recomputed_within_the_bound(cluster):
+def test_prefill_killed_after_the_registration_reached_it_is_recomputed_within_the_bound(cluster, doomed_prefill):
     """kill -9 of a P holding D's registration (its prefill leg never sent, so nothing can deliver
     the KV by chance): D gives up on P within watchdog + fence and computes the prompt itself."""
-    marks = tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
-    side = free_port()
-    doomed = cluster.instance("prefill", side, "0", {**PATIENT, "timeline_dir": marks}).start()
+    doomed, side, marks = doomed_prefill
     try:
-        doomed.wait_ready()
         _, d_body = legs(cluster, prompt(60, 14), 8, p_side=side)
         tid = d_body["kv_transfer_params"]["transfer_id"]
 
@@ -503,16 +554,6 @@ def test_timeline_splits_routed_push_and_pull_ttft_into_segments(cluster, routed
     blocks_back(cluster)
 
 
-@pytest.fixture(scope="module")
-def small_decode(cluster):
-    """A second decode instance whose KV cache holds one max-length request."""
-    instance = cluster.instance("decode", free_port(), "1", PATIENT, kv_cache_bytes=10 << 20).start()
-    try:
-        yield instance.wait_ready()
-    finally:
-        instance.stop()
-
-
 def test_small_decode_cache_under_load_keeps_outputs_exact(cluster, small_decode):
     """More requests than D's cache holds: some wait for blocks (heartbeating P's lease) and vLLM
     may preempt; whether it does depends on timing, so the test checks outputs, not preemption."""
@@ -604,8 +645,7 @@ def staged(cluster):
             instance.start()
         yield p.wait_ready(), side, d.wait_ready()
     finally:
-        p.stop()
-        d.stop()
+        stop_together([p, d])
 
 
 def test_host_staging_on_either_side_or_both_keeps_outputs_exact(cluster, staged):

@@ -16,7 +16,7 @@ import httpx
 from neuron_disagg import kv_params
 from neuron_disagg.demo import tiny_model
 from neuron_disagg.kv_params import ParamsSigner
-from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router
+from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router, stop_together
 
 from ..vllm_envs import VllmEnv
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3, "max_read_s": 3,
@@ -70,8 +70,7 @@ def running(env: VllmEnv):
             instance.wait_ready()
         yield c
     finally:
-        for instance in c.all():
-            instance.stop()
+        stop_together(c.all())
 
 
 @contextlib.contextmanager
