@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,7 +194,6 @@ def monolithic(model: str, port: int, cpu: str, python: str = sys.executable, **
 
 
 _handed_out: set[int] = set()
-_handing_out = threading.Lock()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -223,11 +221,6 @@ def free_port() -> int:
     server (up to a minute later) binds it; meanwhile vLLM's distributed init, UCX listeners and
     every outgoing connection draw from the same range, and one of them can take it. So pick below
     the ephemeral range, where the kernel never allocates, and never hand out a port twice."""
-    with _handing_out:  # two threads starting servers (the demo test runs two demos at once)
-        return _pick_free_port()
-
-
-def _pick_free_port() -> int:
     import random
     import socket
 

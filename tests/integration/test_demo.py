@@ -7,7 +7,6 @@ and so compare that KV largely with itself."""
 from __future__ import annotations
 
 import io
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from rich.console import Console
@@ -44,6 +43,7 @@ DecodeWorker.hand_off, DecodeWorker._loaded = hand_off, loaded
 
 
 def _demo(**kwargs) -> tuple[int, str]:
+    pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
     from neuron_disagg.demo.served import run_demo
 
     out = io.StringIO()
@@ -51,29 +51,14 @@ def _demo(**kwargs) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def demos(tmp_path_factory):
-    """The demo run twice at once, as it is and with D corrupting a pushed block: each run's P and D
-    spend most of their start waiting on imports, so two runs together take little longer than one."""
-    pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
-    from neuron_disagg.demo import tiny_model
-
-    tiny_model.build()  # before the threads: both would build it
-    corrupting = tmp_path_factory.mktemp("corrupting")
-    (corrupting / "sitecustomize.py").write_text(CORRUPT_ONE_BLOCK)
-    with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(_demo)
-        corrupted = pool.submit(_demo, decode_env={"PYTHONPATH": str(corrupting)})
-        return {"plain": plain.result(), "corrupted": corrupted.result()}
-
-
-def test_the_demo_passes(demos):
-    rc, out = demos["plain"]
+def test_the_demo_passes():
+    rc, out = _demo()
     assert rc == 0, out
     assert out.count("same tokens as D computing alone") == 6 and "all answers matched" in out
 
 
-def test_a_corrupted_pushed_block_makes_the_demo_fail(demos):
-    rc, out = demos["corrupted"]
+def test_a_corrupted_pushed_block_makes_the_demo_fail(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(CORRUPT_ONE_BLOCK)
+    rc, out = _demo(decode_env={"PYTHONPATH": str(tmp_path)})
     assert rc == 1, out
     assert "DIFFERS from D alone" in out and "demo did not pass" in out

