@@ -21,7 +21,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export PIP_NO_CACHE_DIR=1
 # Everything but ./.venv starts at once, in the background, each job's lines prefixed with its
 # name: mostly downloads and unpacking, and none of it needs ./.venv, so it overlaps ./.venv's own
-# install too (started after it, the jobs added 6.8 minutes to its 3.5; measured: docs/testing.md).
+# install too (in a fresh clone here, 10.0 minutes in all against 10.4 started after it: the
+# machine's two cores, not the network, are what set-up waits on; docs/testing.md).
 # - NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
 #   cached build of libfabric 2.1.0, a few minutes the first time; what NIXL's plugin still lacks
 #   is put beside it once ./.venv exists (below). The demo does not need it, so a machine that
