@@ -11,7 +11,6 @@ there)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 
@@ -23,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 from neuron_disagg import timeline  # noqa: E402
 from neuron_disagg.local_cluster import free_port, router, start_in_waves  # noqa: E402
 
+from .fault_matrix import record  # noqa: E402
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, TIMEOUTS, body, kv_usage, metric, next_id, prompt, reference, run, wait_for,
 )
@@ -97,10 +97,7 @@ def test_a_hung_instance_delays_answers_but_never_changes_or_loses_them(cluster,
     row = (f"| SIGSTOP {target} {paused_s:g} s ({pause}) | {mode} | {len(texts)} answered, "
            f"{recomputed} recomputed by D | {took:.1f} s (bound {bound:.0f}) | 0 (back in {freed:.1f} s) "
            f"| {'yes' if got == want else 'NO'} |")
-    print(row)
-    if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
-        with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
-            out.write(row + "\n")
+    record(row)
     assert got == want, _mismatch_report(cluster, hung, texts, want, answers, stopped_at)
     assert took < bound, f"answers took {took:.1f} s after the pause began, bound {bound:.0f} s"
     wait_for(lambda: httpx.get(f"{hung['router'].url}/health", timeout=5).status_code == 200, 30,

@@ -7,7 +7,6 @@ lease, and that the new router serves monolithic's answers at once."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
@@ -17,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 
 from neuron_disagg.local_cluster import free_port, router  # noqa: E402
 
+from .fault_matrix import record  # noqa: E402
 from .vllm_cluster import D_BOUND_S, TIMEOUTS, body, kv_usage, metric, prompt, reference, run, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -83,8 +83,5 @@ def test_a_router_killed_with_requests_in_flight_leaves_nothing_held_and_a_new_o
     row = (f"| router kill -9 with {len(texts)} requests in flight, then a new router | push and pull | "
            f"{len(errors)} errors, {len(texts) - len(errors)} answered | {answered_s:.1f} s to every client's "
            f"outcome | 0 (back in {freed:.1f} s, bound {bound:.0f}) | {'yes' if got == want else 'NO'} (new router) |")
-    print(row)
-    if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
-        with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
-            out.write(row + "\n")
+    record(row)
     assert got == want

@@ -9,12 +9,13 @@ What must hold: D never reports a load that lacks a rank's heads; the rank that 
 within its watchdog plus its fence; every block on every live rank comes back; and a hung rank that
 resumes after D gave up writes nothing and frees."""
 
-import os
 import time
 
 import pytest
 
 from neuron_disagg.local_cluster import free_port
+
+from .fault_matrix import record
 
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
@@ -77,7 +78,4 @@ def test_one_prefill_rank_of_two_lost_fails_the_decode_within_its_bound_and_free
     row = (f"| {'SIGSTOP' if fault == 'hung' else 'kill -9'} of P rank 1 of 2 (D at TP {d_tp}), rank processes "
            f"over UCX | push | D rank {d_tp - 1} fails (watchdog), no partial load | {elapsed:.1f} s "
            f"(bound {BOUND_S:g}) | 0 | n/a (no model) |")
-    print(row)
-    if os.environ.get("NEURON_DISAGG_FAULT_MATRIX"):
-        with open(os.environ["NEURON_DISAGG_FAULT_MATRIX"], "a") as out:
-            out.write(row + "\n")
+    record(row)
