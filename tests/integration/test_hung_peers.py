@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg import timeline  # noqa: E402
-from neuron_disagg.local_cluster import free_port, router, start_in_waves  # noqa: E402
+from neuron_disagg.local_cluster import free_port, router  # noqa: E402
 
 from .fault_matrix import record  # noqa: E402
 from .vllm_cluster import (  # noqa: E402
@@ -41,10 +41,9 @@ def hung(cluster):
     other tests' instances are the ones paused here: each scenario ends only once both serve again
     with nothing held, and a dedicated pair would cost two more vLLM starts."""
     r = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port(), secret=cluster.secret,
-               extra_args=("--health-interval-s", "1", "--timeline-dir", cluster.timeline_dir))
-    started = []
+               extra_args=("--health-interval-s", "1", "--timeline-dir", cluster.timeline_dir)).start()
     try:
-        start_in_waves([r], started=started)
+        r.wait_ready(60)
         yield {"prefill": cluster.p, "decode": cluster.d, "router": r, "timeline": cluster.timeline_dir}
     finally:
         for instance in (cluster.p, cluster.d):
