@@ -19,7 +19,11 @@ with RW thread sync and why replacing the agent (``reset``) holds a lock those t
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
+import importlib
+import importlib.metadata
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -276,6 +280,24 @@ class InMemoryTransport(Transport):
 
 
 # -- NIXL -------------------------------------------------------------------------------------------------
+def nixl_api():
+    """NIXL's ``nixl`` package picks its CUDA 12 or 13 build by torch's CUDA version; beside a CPU
+    build of torch it imports all of torch to learn there is none (a second of CPU per process),
+    then takes the first build installed, in this order. A process that has not imported torch,
+    beside a CPU torch, takes that build directly, so the tests' rank processes start a second
+    sooner. Any other process goes through ``nixl``."""
+    if "torch" not in sys.modules:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            if importlib.metadata.version("torch").endswith("+cpu"):
+                for build in ("nixl_cu13", "nixl_cu12"):
+                    try:
+                        return importlib.import_module(f"{build}._api")
+                    except ModuleNotFoundError as missing:
+                        if missing.name != build:
+                            raise
+    return importlib.import_module("nixl._api")
+
+
 class NixlTransport(Transport):
     """One NIXL agent. No progress thread of NIXL's own: the owning thread's ``poll`` and
     ``notifications`` calls drive progress (NIXL's spinning progress thread costs a whole core)."""
@@ -292,11 +314,10 @@ class NixlTransport(Transport):
         self._agent_lock = threading.Lock()  # reset vs the handshake executor's add/remove_peer
 
     def _new_agent(self, name: str):
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                   backends=[self.backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-        agent = nixl_agent(name, config)
+        api = nixl_api()
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[self.backend],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        agent = api.nixl_agent(name, config)
         if self.backend not in agent.backends:
             raise TransferFailed(f"NIXL backend {self.backend} did not load (loaded: {list(agent.backends)})")
         return agent
