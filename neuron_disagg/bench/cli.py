@@ -2,7 +2,9 @@
 NixlConnector, started locally one topology at a time and loaded with `vllm bench serve` over a grid
 of request rates x input lengths; writes JSON, Markdown and PNG plots to a results directory and
 prints each mode's ratio to the reference connector (vLLM's NixlConnector) and to monolithic, and
-how far monolithic moved between the run's start and its end (the drift line).
+how far monolithic moved between the run's start and its end (the drift line). With ``--rounds N``
+every topology stays up, the idle ones paused, and the modes run in N interleaved rounds
+(``bench.rounds``): the drift then falls on every mode alike.
 
 Defaults fit a 2-core CPU machine (the tiny local model, a few minutes). On real hardware pass the
 model, TP and the published workload, e.g. ``--model Qwen/Qwen3-32B --tp 8 --input-lens 16384
@@ -27,6 +29,7 @@ from ..arglists import positive_list
 from . import report
 from .load import (CPU, WALL, Load, RunResult, mean_step_us, read_connector, run, scratch_dir, step_quantile_us,
                    thread_cpu_percent)
+from .rounds import measure_in_rounds
 from .topology import MODES, ServerSettings, groups, started
 
 
@@ -64,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
                    help="per topology, measure each instance's CPU over this long with nothing to do (0: skip)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured pass per mode that absorbs kernel selection and NIXL handshakes")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="N > 1: keep every topology up, the idle ones paused, and measure the modes in N "
+                        "interleaved rounds, so the machine's drift falls on each alike; each point is the "
+                        "median over the rounds (needs memory for every topology at once)")
     p.add_argument("--no-drift-check", action="store_true",
                    help="skip measuring monolithic again after the other topologies (the topologies run one "
                         "after another, and the machine's speed may move meanwhile: the drift line says how far)")
@@ -72,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.prompts < 1 or args.output_len < 1 or args.tp < 1:
-        parser().error("--prompts, --output-len and --tp must be at least 1")
+    if min(args.prompts, args.output_len, args.tp, args.rounds) < 1:
+        parser().error("--prompts, --output-len, --tp and --rounds must be at least 1")
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
     model = args.model or str(tiny_model.build())
     # Prefix caching off: every point sends the same seeded prompts as the warm-up and the points
@@ -91,31 +98,47 @@ def main(argv: list[str] | None = None) -> int:
              for n in args.input_lens for rate in args.rates]
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
             "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
-            "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes,
+            "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     results: list[RunResult] = []
-    recheck = not args.no_drift_check and "monolithic" in args.modes and len(groups(args.modes)) > 1
-    points = (len(args.modes) + recheck) * len(loads)
+    recheck = (args.rounds == 1 and not args.no_drift_check and "monolithic" in args.modes
+               and len(groups(args.modes)) > 1)  # rounds put the drift on every mode instead
+    points = (len(args.modes) * args.rounds + recheck) * len(loads)
+    warmup = not args.no_warmup
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("starting", total=points)
-        for group in groups(args.modes):
-            progress.update(task, description=f"starting {' + '.join(group)}")
-            try:
-                with started(group, server, idle_window_s=args.idle_seconds) as topo:
-                    meta.setdefault("reniced_spinning_threads", {}).update(topo.reniced)
-                    meta.setdefault("idle_cpu_percent", {})[" + ".join(group)] = topo.idle_cpu
-                    if any(topo.reniced.values()):
-                        console.print(f"{' + '.join(group)}: reniced threads spinning while idle: {topo.reniced}")
-                    results += _measure(group, topo, loads, model, raw_dir, not args.no_warmup, progress, task)
-            except (RuntimeError, TimeoutError) as exc:  # one topology failing to start: the rest still run
-                console.print(f"[red]{' + '.join(group)} did not start:[/] {exc}")
-                for mode in group:
-                    for load in loads:
-                        results.append(RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts,
-                                                 error=f"did not start: {str(exc).splitlines()[0]}"))
-                        progress.advance(task)
-        again = _measure_again(server, loads, model, raw_dir, not args.no_warmup, progress, task) if recheck else []
+
+        def on_start(group, topo) -> None:
+            meta.setdefault("reniced_spinning_threads", {}).update(topo.reniced)
+            meta.setdefault("idle_cpu_percent", {})[" + ".join(group)] = topo.idle_cpu
+            if any(topo.reniced.values()):
+                console.print(f"{' + '.join(group)}: reniced threads spinning while idle: {topo.reniced}")
+
+        def start_failed(group, exc) -> list[RunResult]:
+            console.print(f"[red]{' + '.join(group)} did not start:[/] {exc}")
+            progress.advance(task, len(group) * len(loads) * args.rounds)
+            return [RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts,
+                              error=f"did not start: {str(exc).splitlines()[0]}") for mode in group for load in loads]
+
+        def measure(group, topo, round_index: int) -> list[RunResult]:  # warm-up in the first round only
+            raw = raw_dir / f"round-{round_index + 1}" if args.rounds > 1 else raw_dir
+            return _measure(group, topo, loads, model, raw, warmup and round_index == 0, progress, task)
+
+        if args.rounds > 1:
+            progress.update(task, description="starting every topology")
+            results = measure_in_rounds(groups(args.modes), server, args.rounds, measure, start_failed,
+                                        args.idle_seconds, on_start)
+        else:
+            for group in groups(args.modes):
+                progress.update(task, description=f"starting {' + '.join(group)}")
+                try:
+                    with started(group, server, idle_window_s=args.idle_seconds) as topo:
+                        on_start(group, topo)
+                        results += measure(group, topo, 0)
+                except (RuntimeError, TimeoutError) as exc:  # one topology failing to start: the rest still run
+                    results += start_failed(group, exc)
+        again = _measure_again(server, loads, model, raw_dir, warmup, progress, task) if recheck else []
     if again:
         meta["drift"] = report.drift(results, again)
     written = report.write(results, meta, out_dir)

@@ -53,6 +53,7 @@ class RunResult:
     decode_step_cpu_p50_us: float | None = None
     decode_step_cpu_p99_us: float | None = None
     thread_cpu_percent: dict[str, float] | None = None  # "P writer", "D receiver"...: % of a core over the run
+    rounds_ttft_p50_ms: list[float | None] | None = None  # --rounds: each round's TTFT p50 (the rest: medians)
     error: str | None = None
 
     def to_json(self) -> dict:

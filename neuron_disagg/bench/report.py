@@ -33,8 +33,15 @@ def rows(results: list[RunResult]) -> list[dict]:
             "ttft_p99_vs_reference": ratio(r.ttft_p99_ms, ref.ttft_p99_ms if ref else None),
             "tpot_p50_vs_reference": ratio(r.tpot_p50_ms, ref.tpot_p50_ms if ref else None),
             "ttft_p50_vs_monolithic": ratio(r.ttft_p50_ms, mono.ttft_p50_ms if mono else None),
+            "ttft_p50_spread": _spread(r.rounds_ttft_p50_ms),
         })
     return out
+
+
+def _spread(values: list[float | None] | None) -> str | None:
+    """Each round's TTFT p50 as "lowest-highest" (--rounds), else None."""
+    measured = [v for v in values or () if v is not None]
+    return f"{min(measured):.0f}-{max(measured):.0f}" if measured else None
 
 
 def _fmt(value, digits: int = 0) -> str:
@@ -44,7 +51,8 @@ def _fmt(value, digits: int = 0) -> str:
 
 
 TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input", 0),
-                 ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p99_ms", "TTFT p99 ms", 0),
+                 ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p50_spread", "rounds' p50 ms", 0),
+                 ("ttft_p99_ms", "TTFT p99 ms", 0),
                  ("tpot_p50_ms", "TPOT p50 ms", 1), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
                  ("prefill_step", "P step p50/p99 us", 0), ("prefill_step_cpu", "P CPU p50/p99 us", 0),
@@ -62,8 +70,10 @@ def _cell(row: dict, key: str, digits: int) -> str:
 def table(results: list[RunResult]) -> list[list[str]]:
     """Header and rows of the comparison table (strings), in the run's order. Connector step times
     are p50/p99 pairs, wall clock ("step") and the engine thread's CPU time ("CPU")."""
-    header = [title for _, title, _ in TABLE_COLUMNS]
-    body = [[_cell(row, key, digits) for key, _, digits in TABLE_COLUMNS] for row in rows(results)]
+    rounds = any(r.rounds_ttft_p50_ms for r in results)  # the rounds' spread: only where there were rounds
+    columns = [c for c in TABLE_COLUMNS if rounds or c[0] != "ttft_p50_spread"]
+    header = [title for _, title, _ in columns]
+    body = [[_cell(row, key, digits) for key, _, digits in columns] for row in rows(results)]
     return [header, *body]
 
 
@@ -117,7 +127,10 @@ def markdown(results: list[RunResult], meta: dict) -> str:
              f"Model `{meta.get('model')}`; {meta.get('prompts')} requests per point, output "
              f"{meta.get('output_len')} tokens, burstiness {meta.get('burstiness')} (1 = Poisson). "
              f"Ratios are to `{REFERENCE}` (vLLM's NixlConnector) and to monolithic vLLM at the same "
-             "rate and input length, measured in this one run.", "",
+             "rate and input length, measured in this one run."
+             + (f" The modes ran in {meta['rounds']} interleaved rounds, the idle topologies paused: each "
+                "figure is the median over the rounds; `rounds' p50 ms` gives the lowest and highest "
+                "round's TTFT p50." if meta.get("rounds", 1) > 1 else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     broken = [r for r in results if r.breakdown_ms]

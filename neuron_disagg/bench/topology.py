@@ -6,8 +6,9 @@
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
 
-One topology runs at a time (2 cores). ``ServerSettings`` carries the vLLM flags shared by all of
-them, so every mode serves with identical settings.
+One topology runs at a time (2 cores): the others are not started yet, or paused (``bench.rounds``).
+``ServerSettings`` carries the vLLM flags shared by all of them, so every mode serves with identical
+settings.
 """
 
 from __future__ import annotations
