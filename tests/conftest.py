@@ -1,5 +1,7 @@
 """Two tiers (README): the fast check, ``pytest -m "not integration and not slow"``, and the whole
-suite (two pytest-xdist workers: what waits on a server or a lease in one overlaps the other's work).
+suite, in two pytest-xdist workers: one runs every test that starts vLLM servers, one set of
+servers at a time (memory: about 2 GB per instance), and the other everything else beside it
+(``pytest_xdist_make_scheduler`` below).
 
 A test that starts a process, a server process or another environment is marked ``integration``
 (every test under tests/integration is, by its directory); one that runs in-process but for
@@ -29,24 +31,52 @@ INTEGRATION = Path(__file__).parent / "integration"
 PROCESS_FIXTURES = {"moto_url", "cluster", "routed", "ucx_peers", "fabric"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+#: The tests that start vLLM servers, by test id: pytest-xdist's controller, which schedules, sees
+#: ids only. Collection checks this against what each test uses (the ``vllm_servers`` marker or the
+#: shared clusters of tests/integration/conftest.py), so it cannot go stale silently.
+VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
+    "test_vllm_push", "test_hung_peers", "test_vllm_request_shapes", "test_router_restart",
+    "test_bench", "test_demo", "test_vllm_oldest")) + (
+    "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
+#: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
+#: their own (0.24's monolithic, P and D), so at worst ten instances are up at once, about 17 GiB.
+#: Without them the servers' worker was the suite's critical path (1,361 s against 1,086).
+BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::",)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in Path(item.fspath).parents or PROCESS_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.integration)
         if item.get_closest_marker("integration") is None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S))
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
+        starts_servers = item.get_closest_marker("vllm_servers") is not None or _uses_shared_cluster(item)
+        if starts_servers != item.nodeid.startswith(VLLM_SERVER_TESTS):
+            raise pytest.UsageError(
+                f"{item.nodeid} {'starts' if starts_servers else 'starts no'} vLLM servers, but "
+                f"tests/conftest.py's VLLM_SERVER_TESTS says otherwise: update the list")
 
 
-def _group(item) -> str:
-    """What must run in one pytest-xdist worker (the README's full suite runs two, ``--dist
-    loadgroup``): the tests sharing the vLLM clusters (tests/integration/conftest.py), and each
-    other module's tests, which may share module fixtures; a fixture is built once per worker."""
+def _uses_shared_cluster(item) -> bool:
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("cluster")
-    if defs and defs[-1].scope == "package":
-        return "vllm-clusters"
-    return item.nodeid.split("::", 1)[0]
+    return bool(defs) and defs[-1].scope == "package"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The README's full suite runs in two pytest-xdist workers. Every test that starts vLLM servers
+    runs in one of them (but ``BESIDE_THE_CLUSTERS``), so that one set of servers is up at a time: a
+    cluster and its spares are seven instances of about 1.7 GB each, and two such sets at once came
+    within 1 GB of this machine's 24 GiB. Every other module's tests run together in either (they
+    may share module fixtures). The largest unit, the servers' tests, starts first (xdist orders units by size)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmServersInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            together = nodeid.startswith(VLLM_SERVER_TESTS) and not nodeid.startswith(BESIDE_THE_CLUSTERS)
+            return "vllm-servers" if together else nodeid.split("::", 1)[0]
+
+    return VllmServersInOneWorker(config, log)
 
 
 @pytest.fixture(autouse=True)

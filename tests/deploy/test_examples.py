@@ -145,6 +145,7 @@ def _ports(n: int) -> list[int]:
 
 
 @pytest.mark.integration
+@pytest.mark.vllm_servers
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (scripts/setup.sh) is not installed")
 def test_local_cpu_example_serves_a_request_through_the_router(tmp_path):

@@ -11,7 +11,7 @@ import io
 import pytest
 from rich.console import Console
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
 
 # Loaded by every Python process of D (PYTHONPATH): fills the first destination block of the first
 # KV region with 0x7f bytes as soon as a transfer lands, before vLLM is told the KV is there.

@@ -105,29 +105,30 @@ async def _reference(c, text: str, max_tokens: int) -> str:
 def _spare_instances(cluster) -> dict:
     """How each instance some tests here need besides the cluster's is built (not started)."""
     doomed_side, doomed_marks = free_port(), tempfile.mkdtemp(prefix="neuron-disagg-doomed-")
+    break_flag = Path(tempfile.mkdtemp(prefix="neuron-disagg-break-")) / "now"
     return {
-        # kv_load_failure_policy: fail
-        "failing_decode": lambda: cluster.instance("decode", free_port(), "1",
-                                                   {**TIMEOUTS, "kv_load_failure_policy": "fail"}),
+        # kv_load_failure_policy: fail. Once `break_flag` exists, a bug kills its push receiver,
+        # injected from outside (tests/integration/inject): the last test to use it breaks it.
+        "failing_decode": lambda: cluster.instance(
+            "decode", free_port(), "1", {**TIMEOUTS, "kv_load_failure_policy": "fail"},
+            env={"PYTHONPATH": str(Path(__file__).parent / "inject"),
+                 "NEURON_DISAGG_TEST_BREAK_RECEIVER": str(break_flag)}),
         # Its KV cache holds one max-length request.
         "small_decode": lambda: cluster.instance("decode", free_port(), "1", PATIENT, kv_cache_bytes=10 << 20),
-        # A bug kills its push receiver, injected from outside (tests/integration/inject).
-        "broken_decode": lambda: cluster.instance("decode", free_port(), "1", dict(TIMEOUTS), env={
-            "PYTHONPATH": str(Path(__file__).parent / "inject"), "NEURON_DISAGG_TEST_BREAK_RECEIVER": "1"}),
         # A P to kill, with its own timeline to see a registration reach it.
         "doomed_prefill": lambda: cluster.instance("prefill", doomed_side, "0",
                                                    {**PATIENT, "timeline_dir": doomed_marks}),
-    }, {"doomed_prefill": (doomed_side, doomed_marks)}
+    }, {"failing_decode": (break_flag,), "doomed_prefill": (doomed_side, doomed_marks)}
 
 
 @pytest.fixture(scope="module")
 def spares(cluster, request):
     """The extra instances this module's tests on this cluster ask for, started together (four took
     127 s here, against about 155 s one after another: docs/testing.md), stopped at its end."""
-    wanted = {name for item in request.session.items
+    wanted = {SPARE_OF[name] for item in request.session.items
               if item.module is request.module
               and getattr(getattr(item, "callspec", None), "params", {}).get("cluster") == cluster.param
-              for name in item.fixturenames if name in SPARE_NAMES}
+              for name in item.fixturenames if name in SPARE_OF}
     builders, extras = _spare_instances(cluster)
     started = {}
     try:
@@ -135,28 +136,35 @@ def spares(cluster, request):
             started[name] = builders[name]().start()
         for instance in started.values():
             instance.wait_ready()
-        yield {name: (instance, *extras.get(name, ())) if name in extras else instance
-               for name, instance in started.items()}
+        yield {name: (instance, *extras.get(name, ())) for name, instance in started.items()}
     finally:
         stop_together(started.values())
 
 
-SPARE_NAMES = ("failing_decode", "small_decode", "broken_decode", "doomed_prefill")
+#: Each fixture naming a spare instance, and the spare it names: the D that breaks is the fail-policy
+#: D, broken by the test after the fail-policy test (one start fewer, about 30 s here).
+SPARE_OF = {"failing_decode": "failing_decode", "broken_decode": "failing_decode",
+            "small_decode": "small_decode", "doomed_prefill": "doomed_prefill"}
 
 
 @pytest.fixture
 def failing_decode(spares):
-    return spares["failing_decode"]
+    instance, break_flag = spares["failing_decode"]
+    assert not break_flag.exists(), "the fail-policy D was broken by a test before this one (file order)"
+    return instance
 
 
 @pytest.fixture
 def small_decode(spares):
-    return spares["small_decode"]
+    return spares["small_decode"][0]
 
 
 @pytest.fixture
 def broken_decode(spares):
-    return spares["broken_decode"]
+    """The fail-policy D, its push receiver set to die on the next decode leg it hears of."""
+    instance, break_flag = spares["failing_decode"]
+    break_flag.touch()
+    return instance
 
 
 @pytest.fixture
