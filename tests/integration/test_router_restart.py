@@ -42,7 +42,7 @@ def test_a_router_killed_with_requests_in_flight_leaves_nothing_held_and_a_new_o
                 async def send(text, mode, stream):
                     try:
                         return await client.post(f"{first.url}/v1/completions",
-                                                 json=body(text, 200, disagg_mode=mode, stream=stream))
+                                                 json=body(text, 1000, disagg_mode=mode, stream=stream))
                     except httpx.TransportError as exc:  # the router's end of the connection is gone
                         return exc
 

@@ -329,8 +329,8 @@ def landing_in_flight(worker, wait_s: float, *, push: bool = True, pull: bool = 
 def test_a_step_without_a_forward_waits_for_kv_in_flight_and_reports_it_as_it_lands(worker, mode):
     d = landing_in_flight(worker, 30.0, push=mode == "push", pull=mode == "pull")
     d.hand_off(StepMetadata(no_forward=True))
+    started = time.monotonic()  # before the timer: on a loaded machine the timer may fire before this line runs
     threading.Timer(0.2, report, (d, Loaded(TID))).start()
-    started = time.monotonic()
     d.wait_for_landing()
     assert 0.15 < time.monotonic() - started < 10  # woken by the landing, not the 30 s bound
     assert d.transfer_results(set()) == (set(), {RID}, set())
