@@ -66,6 +66,7 @@ import neuron_disagg
 from nixl._api import nixl_agent, nixl_agent_config
 agent = nixl_agent("setup-check", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 assert "UCX" in agent.backends, f"NIXL's UCX backend did not load: {agent.backends}"
+import matplotlib.font_manager  # builds its font cache now (with fc-list): the fast tests start no process
 print(f"neuron-disagg {neuron_disagg.__version__} ready in .venv: vllm {md.version('vllm')}, "
       f"nixl {md.version('nixl')}, torch {md.version('torch')}")
 PY
