@@ -6,7 +6,8 @@ demo and ``neuron-disagg bench`` read the directory back and split each request'
 segments below. Wall-clock times from several processes are comparable on one machine; across
 machines they are as good as the hosts' clock sync.
 
-Who marks what (``EVENTS``): the router marks arrival and D's first byte; each instance's scheduler
+Who marks what (``EVENTS``): the router marks arrival, P's answer and D's first byte (in every
+mode, so vLLM's own connectors get the coarse split of ``p_and_after``); each instance's scheduler
 marks what the engine loop sees; each transfer thread marks what happens on the wire.
 """
 
@@ -26,6 +27,7 @@ from .protocol.messages import TransferId
 log = logging.getLogger(__name__)
 EVENTS = {
     "router_arrived": "the router received the client's request",
+    "router_p_answered": "the router had P's whole answer (its prefill done; every mode, vLLM's connectors too)",
     "p_arrived": "P's API server created the request (vLLM's arrival_time)",
     "p_scheduled": "P's scheduler allocated its blocks: prefill starts",
     "p_kv_ready": "P's KV is computed: its worker after the forward, or its scheduler at the request's end",
@@ -108,6 +110,18 @@ def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
             if seen is None or (at < seen if event in _EARLIEST else at > seen):
                 events[event] = at
     return transfers
+
+
+def p_and_after(events: dict[str, float]) -> dict[str, float] | None:
+    """The router's split of one request's TTFT (seconds), in any mode: ``until_p_answered`` (the
+    router, P's queue and its prefill: alike in every mode, and where a busy P's queueing shows) and
+    ``after_p_answered`` (what getting the KV to D and D's first step add). In push modes D may hold
+    the KV before the router has P's answer: then the second is 0 or less."""
+    try:
+        start, answered, end = events["router_arrived"], events["router_p_answered"], events["router_first_byte"]
+    except KeyError:
+        return None
+    return {"until_p_answered": answered - start, "after_p_answered": end - answered}
 
 
 PUSH_SEGMENTS = ("router", "queue", "prefill", "registration_wait", "to_writer", "write", "notify",

@@ -6,6 +6,9 @@ how far monolithic moved between the run's start and its end (the drift line). W
 every topology stays up, the idle ones paused, and the modes run in N interleaved rounds
 (``bench.rounds``): the drift then falls on every mode alike.
 
+``--preset seed`` and ``--preset light`` set a named workload and judge the run by its goals
+(``bench.preset``); flags given beside a preset override its settings.
+
 Defaults fit a 2-core CPU machine (the tiny local model, a few minutes). On real hardware pass the
 model, TP and the published workload, e.g. ``--model Qwen/Qwen3-32B --tp 8 --input-lens 16384
 --output-len 128 --rates 2,4,8 --kv-cache-bytes 0``.
@@ -27,8 +30,9 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from ..arglists import positive_list
 from . import report
-from .load import (CPU, WALL, Load, RunResult, mean_step_us, read_connector, run, scratch_dir, step_quantile_us,
-                   thread_cpu_percent)
+from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, mean_step_us, pool_churn_prompts,
+                   prefill_ms, read_connector, run, scratch_dir, step_quantile_us, thread_cpu_percent)
+from .preset import PRESETS, evaluate, rates_for
 from .rounds import measure_in_rounds
 from .topology import MODES, ServerSettings, groups, started
 
@@ -43,9 +47,18 @@ def _modes(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuron-disagg bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a named workload and the goals the run is judged by: " + "; ".join(
+                       f"{name}: {preset.about}" for name, preset in sorted(PRESETS.items())))
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated (default {','.join(MODES)})")
     p.add_argument("--rates", type=positive_list(float, "--rates"), default=[1.0, 2.0],
                    help="request rates, req/s (default 1,2)")
+    p.add_argument("--p-busy", type=positive_list(float, "--p-busy"), default=[],
+                   help="instead of --rates: measure P's prefill time at each input length first, then send "
+                        "requests at the rates that keep P busy this share of its time (e.g. 0.8)")
+    p.add_argument("--churn", action="store_true",
+                   help="before measuring each topology, fragment its KV block pools with requests of spread "
+                        "lengths ending out of order, so that no transfer's blocks are contiguous")
     p.add_argument("--input-lens", type=positive_list(int, "--input-lens"), default=[512],
                    help="prompt lengths in tokens (default 512)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
@@ -77,12 +90,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, a ``--preset``'s settings under any given explicitly."""
+    p = parser()
+    name = p.parse_known_args(argv)[0].preset
+    if name:
+        preset = PRESETS[name]
+        p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
+                       rounds=preset.rounds, max_model_len=preset.max_model_len,
+                       kv_cache_bytes=preset.kv_cache_bytes, rates=preset.rates or [1.0, 2.0],
+                       p_busy=preset.p_busy, churn=preset.churn)
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
+    preset = PRESETS.get(args.preset)
     if min(args.prompts, args.output_len, args.tp, args.rounds) < 1:
         parser().error("--prompts, --output-len, --tp and --rounds must be at least 1")
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
-    model = args.model or str(tiny_model.build())
+    spec = tiny_model.KV_HEAVY if preset and preset.kv_heavy else tiny_model.SPEC
+    model = args.model or str(tiny_model.build(spec=spec))
     # Prefix caching off: every point sends the same seeded prompts as the warm-up and the points
     # before it (and push and pull share one P and D), so with it on, all but the first pass
     # measured cache hits — one computed token instead of a prefill — in every mode alike.
@@ -94,22 +122,37 @@ def main(argv: list[str] | None = None) -> int:
     server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype)
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
-    loads = [Load(rate, n, args.output_len, args.prompts, args.burstiness)
-             for n in args.input_lens for rate in args.rates]
+    # With --p-busy the rates come from P's prefill time, measured on the first topology up.
+    loads = [] if args.p_busy else [Load(rate, n, args.output_len, args.prompts, args.burstiness)
+                                    for n in args.input_lens for rate in args.rates]
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
             "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
-            "rates": args.rates, "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds,
+            "rates": args.rates if not args.p_busy else None, "p_busy": args.p_busy, "preset": args.preset,
+            "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds, "churn": args.churn,
+            "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
+    churn_prompts = (pool_churn_prompts(model, args.kv_cache_bytes, 4 if dtype == "float32" else 2,
+                                        max(args.input_lens)) if args.churn else 0)
     results: list[RunResult] = []
     recheck = (args.rounds == 1 and not args.no_drift_check and "monolithic" in args.modes
                and len(groups(args.modes)) > 1)  # rounds put the drift on every mode instead
-    points = (len(args.modes) * args.rounds + recheck) * len(loads)
+    points = (len(args.modes) * args.rounds + recheck) * len(args.input_lens) * len(args.p_busy or args.rates)
     warmup = not args.no_warmup
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("starting", total=points)
 
         def on_start(group, topo) -> None:
+            if args.p_busy and not loads:  # P's capacity: on P's core, alone, before any load
+                url = topo.prefill.url if topo.prefill else topo.urls["monolithic"]
+                progress.update(task, description=f"measuring P's prefill time on {' + '.join(group)}")
+                meta["p_prefill_ms"] = {n: prefill_ms(url, model, n, raw_dir) for n in args.input_lens}
+                loads.extend(Load(rate, n, args.output_len, args.prompts, args.burstiness)
+                             for n in args.input_lens for rate in rates_for(args.p_busy, meta["p_prefill_ms"][n]))
+                meta["rates"] = sorted({load.rate for load in loads})
+                console.print("P's prefill alone: " + ", ".join(
+                    f"{ms:.0f} ms at {n} tokens" for n, ms in meta["p_prefill_ms"].items())
+                    + f"; rates {meta['rates']} req/s keep it {', '.join(f'{b:.0%}' for b in args.p_busy)} busy")
             meta.setdefault("reniced_spinning_threads", {}).update(topo.reniced)
             meta.setdefault("idle_cpu_percent", {})[" + ".join(group)] = topo.idle_cpu
             if any(topo.reniced.values()):
@@ -117,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
 
         def start_failed(group, exc) -> list[RunResult]:
             console.print(f"[red]{' + '.join(group)} did not start:[/] {exc}")
-            progress.advance(task, len(group) * len(loads) * args.rounds)
+            points = loads or [Load(0.0, n, args.output_len, args.prompts) for n in args.input_lens]  # rates unknown yet
+            progress.advance(task, len(group) * len(points) * args.rounds)
             return [RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts,
-                              error=f"did not start: {str(exc).splitlines()[0]}") for mode in group for load in loads]
+                              error=f"did not start: {str(exc).splitlines()[0]}") for mode in group for load in points]
 
         def measure(group, topo, round_index: int) -> list[RunResult]:  # warm-up in the first round only
             raw = raw_dir / f"round-{round_index + 1}" if args.rounds > 1 else raw_dir
-            return _measure(group, topo, loads, model, raw, warmup and round_index == 0, progress, task)
+            first = round_index == 0
+            return _measure(group, topo, loads, model, raw, warmup and first, progress, task,
+                            churn_prompts if first else 0)
 
         if args.rounds > 1:
             progress.update(task, description="starting every topology")
@@ -141,8 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         again = _measure_again(server, loads, model, raw_dir, warmup, progress, task) if recheck else []
     if again:
         meta["drift"] = report.drift(results, again)
+    for r in results:
+        if meta.get("p_prefill_ms") and r.rate:
+            r.p_busy = round(r.rate * meta["p_prefill_ms"][r.input_len] / 1000, 2)
+    if preset:
+        meta["goals"] = evaluate(preset.goals, results)
     written = report.write(results, meta, out_dir)
     _print(console, results)
+    if meta.get("goals"):
+        console.print(report.goals_text(meta["goals"], args.preset))
     if meta.get("idle_cpu_percent"):
         console.print(report.idle_line(meta["idle_cpu_percent"], args.idle_seconds))
     if meta.get("drift"):
@@ -164,22 +217,26 @@ def _measure_again(server, loads, model, raw_dir, warmup, progress, task) -> lis
                 for load in loads]
 
 
-def _measure(group, topo, loads, model, raw_dir, warmup, progress, task) -> list[RunResult]:
+def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int = 0) -> list[RunResult]:
     out = []
     for mode in group:
         url = topo.urls[mode]
+        if churn_prompts and mode == group[0]:  # one churn per topology: its modes share P's and D's pools
+            progress.update(task, description=f"{' + '.join(group)}: churning the block pools")
+            churn(url, model, loads[-1], churn_prompts, raw_dir / "churn", mode)
         if warmup:
             progress.update(task, description=f"{mode}: warm-up")
             run(mode, url, model, loads[-1], raw_dir / "warmup")
         for load in loads:
             progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
-            ours = topo.timeline_dir is not None  # only our connector exports these
+            ours = mode in ("push", "pull")  # only our connector exports these
             before = (read_connector(topo.prefill.url), read_connector(topo.decode.url)) if ours else None
             result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
             if before:
                 result.thread_cpu_percent = {}
-                for side, earlier, later in (("prefill", before[0], read_connector(topo.prefill.url)),
-                                             ("decode", before[1], read_connector(topo.decode.url))):
+                after = (read_connector(topo.prefill.url), read_connector(topo.decode.url))
+                result.descriptors_per_transfer = descriptors_per_transfer((before[0], after[0]), (before[1], after[1]))
+                for side, earlier, later in (("prefill", before[0], after[0]), ("decode", before[1], after[1])):
                     setattr(result, f"{side}_step_us", mean_step_us(earlier.steps[WALL], later.steps[WALL]))
                     for series, clock in (("step", WALL), ("step_cpu", CPU)):
                         for q in (50, 99):
@@ -202,6 +259,9 @@ def _print(console: Console, results: list[RunResult]) -> None:
         t.add_row(*row)
     console.print(t)
     for r in results:
+        if r.p_and_after_ms:
+            console.print(f"{r.mode} {r.rate} req/s in {r.input_len}: until P answered "
+                          f"{r.p_and_after_ms['until_p_answered']:.1f} ms, after {r.p_and_after_ms['after_p_answered']:.1f} ms")
         if r.breakdown_ms:
             console.print(f"{r.mode} {r.rate} req/s in {r.input_len}: TTFT p50 segments "
                           + ", ".join(f"{k} {v:.1f}" for k, v in r.breakdown_ms.items() if k != "ttft") + " ms")

@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -26,6 +27,8 @@ class Load:
     prompts: int
     burstiness: float = 1.0  # 1: Poisson; < 1 burstier (gamma arrivals)
     seed: int = 0
+    max_concurrency: int | None = None  # at most this many requests in flight (None: no limit)
+    range_ratio: float = 0.0  # > 0: input and output lengths vary by this fraction either side
 
 
 @dataclass
@@ -42,6 +45,7 @@ class RunResult:
     tpot_p50_ms: float | None = None
     e2el_p50_ms: float | None = None
     breakdown_ms: dict[str, float] | None = None  # median of each TTFT segment (our modes)
+    p_and_after_ms: dict[str, float] | None = None  # median of the router's split at P's answer (every routed mode)
     prefill_step_us: float | None = None  # our connector's mean time per engine step (our modes)
     decode_step_us: float | None = None
     prefill_step_p50_us: float | None = None  # ... its p50 and p99, as histogram bucket bounds
@@ -54,6 +58,8 @@ class RunResult:
     decode_step_cpu_p99_us: float | None = None
     thread_cpu_percent: dict[str, float] | None = None  # "P writer", "D receiver"...: % of a core over the run
     rounds_ttft_p50_ms: list[float | None] | None = None  # --rounds: each round's TTFT p50 (the rest: medians)
+    descriptors_per_transfer: float | None = None  # our connector: NIXL descriptors posted per KV transfer
+    p_busy: float | None = None  # the share of P's time the offered load asks: rate x P's measured prefill time
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -70,9 +76,8 @@ class StepTime:
     buckets: dict[float, float] = field(default_factory=dict)
 
 
-def bench_serve(url: str, tokenizer: str, load: Load, out_dir: Path, name: str,
-                timeout_s: float = 3600) -> dict:
-    """Runs `vllm bench serve` and returns its saved JSON (with per-request details)."""
+def bench_serve_command(url: str, tokenizer: str, load: Load, out_dir: Path, name: str) -> list[str]:
+    """`vllm bench serve` for ``load``, saving its JSON (with per-request details) as ``name``.json."""
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
                "--base-url", url, "--model", "tiny", "--tokenizer", tokenizer, "--dataset-name", "random",
                "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
@@ -81,7 +86,18 @@ def bench_serve(url: str, tokenizer: str, load: Load, out_dir: Path, name: str,
                "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
                "--seed", str(load.seed), "--save-result", "--save-detailed", "--result-dir", str(out_dir),
                "--result-filename", f"{name}.json"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if load.max_concurrency:
+        command += ["--max-concurrency", str(load.max_concurrency)]
+    if load.range_ratio:
+        command += ["--random-range-ratio", str(load.range_ratio)]
+    return command
+
+
+def bench_serve(url: str, tokenizer: str, load: Load, out_dir: Path, name: str,
+                timeout_s: float = 3600) -> dict:
+    """Runs `vllm bench serve` and returns its saved JSON."""
+    out = subprocess.run(bench_serve_command(url, tokenizer, load, out_dir, name), capture_output=True, text=True,
+                         timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited with {out.returncode}: {out.stderr.strip()[-800:]}")
     return json.loads((out_dir / f"{name}.json").read_text())
@@ -100,16 +116,52 @@ def run(mode: str, url: str, tokenizer: str, load: Load, out_dir: Path,
     result.ttft_p50_ms, result.ttft_p99_ms = raw.get("median_ttft_ms"), raw.get("p99_ttft_ms")
     result.tpot_p50_ms, result.e2el_p50_ms = raw.get("median_tpot_ms"), raw.get("median_e2el_ms")
     if timeline_dir:
-        result.breakdown_ms = breakdown_between(timeline_dir, started, time.time())
+        ended = time.time()
+        result.breakdown_ms = breakdown_between(timeline_dir, started, ended)
+        result.p_and_after_ms = breakdown_between(timeline_dir, started, ended, timeline.p_and_after)
     return result
 
 
-def breakdown_between(directory: str, start: float, end: float) -> dict[str, float] | None:
-    """The median of each TTFT segment over the transfers that arrived at the router in
+def prefill_ms(url: str, tokenizer: str, input_len: int, out_dir: Path, prompts: int = 5) -> float:
+    """An instance's time to prefill one ``input_len``-token prompt, alone: the median latency of
+    ``prompts`` one-token requests sent one at a time (the bench's P-capacity measurement)."""
+    raw = bench_serve(url, tokenizer, Load(float("inf"), input_len, 1, prompts, max_concurrency=1, seed=7),
+                      out_dir, f"prefill-capacity-in{input_len}")
+    return float(raw["median_e2el_ms"])
+
+
+def churn(url: str, tokenizer: str, load: Load, prompts: int, out_dir: Path, name: str) -> None:
+    """Fragments the block pools behind ``url``: ``prompts`` requests whose prompts spread over 10-99%
+    of ``load.input_len`` and outputs as widely under ``load.output_len`` (so each fits wherever the
+    load fits), four at a time, so that they end out of order. vLLM frees a request's blocks tail
+    first onto the back of its free queue and allocates from the front: once the pool has gone round,
+    no request's blocks ascend, and every block of every layer is a descriptor of its own."""
+    spread = Load(float("inf"), max(1, round(load.input_len * 0.55)), max(1, load.output_len // 2), prompts,
+                  max_concurrency=4, range_ratio=0.8, seed=11)
+    bench_serve(url, tokenizer, spread, out_dir, f"churn-{name}")
+
+
+def pool_churn_prompts(model_dir: str, kv_cache_bytes: int, dtype_bytes: int, input_len: int) -> int:
+    """How many of ``churn``'s requests (their prompts 0.55 ``input_len`` on average) go round a KV
+    pool of ``kv_cache_bytes`` one and a half times, from the model's config.json (8 where it cannot
+    be read: a model name, not a directory)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return 8
+    return max(8, -(-3 * kv_cache_bytes // (2 * per_token * round(input_len * 0.55))))
+
+
+def breakdown_between(directory: str, start: float, end: float,
+                      split: Callable[[dict[str, float]], dict[str, float] | None] = timeline.breakdown
+                      ) -> dict[str, float] | None:
+    """The median of each of ``split``'s segments over the transfers that arrived at the router in
     [start, end] — the run's own requests, as runs never overlap."""
     parts = [b for events in timeline.load(directory).values()
              if start <= events.get("router_arrived", -1) <= end
-             and (b := timeline.breakdown(events)) is not None]
+             and (b := split(events)) is not None]
     if not parts:
         return None
     return {name: round(statistics.median(p[name] for p in parts) * 1e3, 2) for name in parts[0]}
@@ -127,6 +179,8 @@ class ConnectorReading:
     steps: dict[str, StepTime]
     thread_cpu_us: dict[str, float]
     at: float  # monotonic
+    descriptors: float = 0.0  # posted here: P's writes (push), D's reads (pull)
+    transfers: float = 0.0  # completed here: P's writes, D's loads
 
 
 def read_connector(url: str) -> ConnectorReading:
@@ -138,7 +192,9 @@ def read_connector(url: str) -> ConnectorReading:
         text = ""
     return ConnectorReading({name: parse_step_time(text, name) for name in (WALL, CPU)},
                             {mode: counter_total(text, f"neuron_disagg_{mode}_thread_cpu_us_total")
-                             for mode in ("push", "pull")}, at)
+                             for mode in ("push", "pull")}, at,
+                            counter_total(text, "neuron_disagg_descriptors_total"),
+                            counter_total(text, "neuron_disagg_transfers_total"))
 
 
 def counter_total(text: str, name: str) -> float:
@@ -154,6 +210,14 @@ def thread_cpu_percent(role: str, before: ConnectorReading, after: ConnectorRead
         return {}
     return {THREADS[role][mode]: round((after.thread_cpu_us[mode] - before.thread_cpu_us[mode]) / elapsed_us * 100, 2)
             for mode in ("push", "pull")}
+
+
+def descriptors_per_transfer(p: tuple[ConnectorReading, ConnectorReading],
+                             d: tuple[ConnectorReading, ConnectorReading]) -> float | None:
+    """Descriptors posted between the readings (by P in push, by D in pull) per load D finished."""
+    loads = d[1].transfers - d[0].transfers
+    posted = (p[1].descriptors - p[0].descriptors) + (d[1].descriptors - d[0].descriptors)
+    return round(posted / loads, 1) if loads > 0 else None
 
 
 def parse_step_time(text: str, name: str = WALL) -> StepTime:

@@ -57,7 +57,11 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
                  ("prefill_step", "P step p50/p99 us", 0), ("prefill_step_cpu", "P CPU p50/p99 us", 0),
                  ("decode_step", "D step p50/p99 us", 0), ("decode_step_cpu", "D CPU p50/p99 us", 0),
+                 ("descriptors_per_transfer", "desc/transfer", 0), ("p_busy", "P busy", 2),
                  ("completed", "ok", 0), ("failed", "failed", 0))
+#: Columns shown only where some result has a value: the rounds' spread (--rounds), descriptors
+#: (our connector's modes) and P's share busy (--p-busy).
+OPTIONAL_COLUMNS = ("ttft_p50_spread", "descriptors_per_transfer", "p_busy")
 
 
 def _cell(row: dict, key: str, digits: int) -> str:
@@ -70,11 +74,30 @@ def _cell(row: dict, key: str, digits: int) -> str:
 def table(results: list[RunResult]) -> list[list[str]]:
     """Header and rows of the comparison table (strings), in the run's order. Connector step times
     are p50/p99 pairs, wall clock ("step") and the engine thread's CPU time ("CPU")."""
-    rounds = any(r.rounds_ttft_p50_ms for r in results)  # the rounds' spread: only where there were rounds
-    columns = [c for c in TABLE_COLUMNS if rounds or c[0] != "ttft_p50_spread"]
+    table_rows = rows(results)
+    columns = [c for c in TABLE_COLUMNS
+               if c[0] not in OPTIONAL_COLUMNS or any(row[c[0]] is not None for row in table_rows)]
     header = [title for _, title, _ in columns]
-    body = [[_cell(row, key, digits) for key, _, digits in columns] for row in rows(results)]
+    body = [[_cell(row, key, digits) for key, _, digits in columns] for row in table_rows]
     return [header, *body]
+
+
+def goals_lines(goals: list[dict]) -> list[str]:
+    """``meta["goals"]`` (``preset.evaluate``) as Markdown table lines."""
+    lines = ["| goal | req/s | input | measured | bound | met |", "|---|---|---|---|---|---|"]
+    for g in goals:
+        met = "not measured" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        lines.append(f"| {g['goal']} | {g['rate']} | {g['input_len']} | {_fmt(g['measured'], 2)} | "
+                     f"{_fmt(g['bound'], 2)} | {met} |")
+    return lines
+
+
+def goals_text(goals: list[dict], preset: str | None) -> str:
+    met = sum(1 for g in goals if g["met"])
+    return (f"Goals of --preset {preset}: {met} of {len(goals)} met\n"
+            + "\n".join(f"  {'met    ' if g['met'] else 'NOT MET' if g['met'] is False else 'no data'}  {g['goal']} "
+                         f"at {g['rate']} req/s, input {g['input_len']}: {_fmt(g['measured'], 2)} (bound {_fmt(g['bound'], 2)})"
+                         for g in goals))
 
 
 def drift(first: list[RunResult], again: list[RunResult]) -> list[dict]:
@@ -133,6 +156,25 @@ def markdown(results: list[RunResult], meta: dict) -> str:
                 "round's TTFT p50." if meta.get("rounds", 1) > 1 else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
+    if meta.get("p_prefill_ms"):
+        lines += ["", "P's prefill time alone (one request at a time, before any load): " + ", ".join(
+            f"{ms:.0f} ms at {n} tokens" for n, ms in meta["p_prefill_ms"].items())
+            + f"; the rates keep P {', '.join(f'{b:.0%}' for b in meta.get('p_busy') or [])} busy (`P busy`)."]
+    if meta.get("churn"):
+        lines += ["", "Each topology's block pools were churned first (requests of spread lengths ending out of "
+                  "order), so transfers' blocks are not contiguous; `desc/transfer` is the NIXL descriptors our "
+                  "connector posted per transfer, after merging contiguous ones."]
+    if meta.get("goals"):
+        lines += ["", f"## Goals of `--preset {meta.get('preset')}`", "", *goals_lines(meta["goals"])]
+    split = [r for r in results if r.p_and_after_ms]
+    if split:
+        lines += ["", "## Each mode's TTFT split at P's answer (median ms, the router's marks)", "",
+                  "Until P answered: the router, P's queue and its prefill, alike in every mode. After: what "
+                  "getting the KV to D and D's first step add; in push modes D may hold the KV before the "
+                  "router has P's answer.", "",
+                  "| mode | req/s | input | until P answered | after P answered | TTFT p50 |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.mode} | {r.rate} | {r.input_len} | {_fmt(r.p_and_after_ms.get('until_p_answered'), 1)} | "
+                  f"{_fmt(r.p_and_after_ms.get('after_p_answered'), 1)} | {_fmt(r.ttft_p50_ms)} |" for r in split]
     broken = [r for r in results if r.breakdown_ms]
     if broken:
         segments = [s for s in (*timeline.PUSH_SEGMENTS, *timeline.PULL_SEGMENTS) if any(

@@ -49,7 +49,7 @@ class Running:
     instances: list[Instance]
     prefill: Instance | None = None
     decode: Instance | None = None
-    timeline_dir: str | None = None  # set for our connector only: vLLM's marks no timeline
+    timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
 
@@ -99,13 +99,14 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
         mono = monolithic(server.model, free_port(), "0", **kw)
         return Running({"monolithic": mono.url}, [mono])
     p_side, d_side = free_port(), free_port()
-    if group[0].startswith("vllm-"):
+    marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
+    if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing
         mode = group[0]
         p = reference(mode, "prefill", server.model, free_port(), p_side, "0", **kw)
         d = reference(mode, "decode", server.model, free_port(), d_side, "1", **kw)
-        r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)])
-        return Running({mode: r.url}, [p, d, r], p, d)
-    marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
+        r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)],
+                   timeline_dir=marks)
+        return Running({mode: r.url}, [p, d, r], p, d, marks)
     secret = secrets.token_hex(32)
     overrides = {"timeline_dir": marks}
     p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)

@@ -238,11 +238,13 @@ class Flows:
                        mode: Mode, body: dict[str, Any] | None = None) -> dict[str, Any]:
         with self.pool.lease(p, req.prompt_tokens):
             try:
-                return await prefill_leg(self.upstream, p, req.path, body or prefill_body(req, mode, tid, self.signer),
-                                         {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
+                answer = await prefill_leg(self.upstream, p, req.path, body or prefill_body(req, mode, tid, self.signer),
+                                           {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
             except RouterError as exc:
                 self._failed(ctx, tid, exc)
                 raise
+            self.timeline.mark(tid, "router_p_answered")
+            return answer
 
     def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance, tid: str,
                     params: dict[str, Any]) -> DecodeLeg:

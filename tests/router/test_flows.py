@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from .conftest import cluster, completion, until
 
 
@@ -186,16 +188,22 @@ async def test_vllm_pull_passes_prefills_answer_to_decode_verbatim():
         assert dr.params == p.reference_params()
 
 
-async def test_router_marks_arrival_and_first_byte_on_the_timeline(tmp_path):
+@pytest.mark.parametrize("mode", ["push", "vllm-pull"])
+async def test_router_marks_arrival_p_answer_and_first_byte_on_the_timeline(tmp_path, mode):
+    """In every mode, vLLM's own connectors too: the bench splits each mode's TTFT at P's answer."""
     from neuron_disagg import timeline
 
-    async with cluster(prefill=1, decode=1, mode="push", timeline_dir=str(tmp_path)) as c:
+    async with cluster(prefill=1, decode=1, mode=mode, timeline_dir=str(tmp_path)) as c:
         status, _, answer = await c.post("/v1/completions", completion())
         assert status == 200, answer
         tid = c.prefills[0].requests[0].transfer_id
     events = timeline.load(tmp_path)[tid]
-    assert set(events) == {"router_arrived", "router_first_byte"}
+    assert set(events) == {"router_arrived", "router_p_answered", "router_first_byte"}
     assert 0 < events["router_first_byte"] - events["router_arrived"] < 20
+    split = timeline.p_and_after(events)
+    assert 0 < split["until_p_answered"] < 20
+    assert split["until_p_answered"] + split["after_p_answered"] == pytest.approx(
+        events["router_first_byte"] - events["router_arrived"])
 
 
 async def test_our_modes_sign_their_params_and_a_router_without_the_secret_sends_no_leg():

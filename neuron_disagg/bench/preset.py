@@ -1,0 +1,126 @@
+"""Named workloads for `neuron-disagg bench --preset NAME`, and the goals each is judged by.
+
+- ``seed``: the regime the seed's claim is about, scaled to a 2-core machine. Long prompts into a
+  model whose KV is large for its compute (``tiny_model.KV_HEAVY``: 64 layers over a thin residual
+  stream, so a prompt's KV is thousands of block-by-layer pieces), P kept busy (the rate is set
+  from P's measured prefill time), the block pools churned first so that no transfer's blocks are
+  contiguous, and every mode in interleaved rounds.
+- ``light``: the light corner (512 tokens at 1 and 2 req/s, the default tiny model), where the goals
+  are about what push costs over monolithic rather than its lead.
+
+A goal compares figures of one point (rate x input length) of one run; ``evaluate`` says, point by
+point, what was measured against what was asked. Pure functions: nothing here starts anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .load import RunResult
+
+Point = dict[str, RunResult]  # mode -> its result at one (rate, input length)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """``text`` in words; ``measure`` gives (measured, bound) at a point, None where a figure is missing."""
+
+    text: str
+    measure: Callable[[Point], tuple[float, float] | None]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    about: str
+    input_lens: list[int]
+    output_len: int
+    prompts: int
+    rounds: int
+    max_model_len: int
+    kv_cache_bytes: int
+    rates: list[float] = field(default_factory=list)  # empty: from P's measured capacity and p_busy
+    p_busy: list[float] = field(default_factory=list)
+    kv_heavy: bool = False  # the KV-heavy tiny model (tiny_model.KV_HEAVY) instead of the default
+    churn: bool = False
+    goals: tuple[Goal, ...] = ()
+
+
+def _figure(point: Point, mode: str, name: str) -> float | None:
+    result = point.get(mode)
+    value = getattr(result, name) if result is not None and result.error is None else None
+    return value if value else None
+
+
+def ratio_goal(mode: str, name: str, base: str, bound: float, words: str) -> Goal:
+    """``mode``'s ``name`` at most ``bound`` times ``base``'s."""
+    def measure(point: Point):
+        value, reference = _figure(point, mode, name), _figure(point, base, name)
+        return (value / reference, bound) if value and reference else None
+    return Goal(f"{mode} {words} <= {bound:g}x {base}", measure)
+
+
+def push_tax_goal() -> Goal:
+    """What push adds over monolithic, less vLLM's own idle sleep before D schedules the request,
+    within one D decode step plus the write plus 1 ms."""
+    def measure(point: Point):
+        push, mono = _figure(point, "push", "ttft_p50_ms"), _figure(point, "monolithic", "ttft_p50_ms")
+        tpot, parts = _figure(point, "push", "tpot_p50_ms"), point["push"].breakdown_ms if "push" in point else None
+        if not (push and mono and tpot and parts and "write" in parts and "to_d_step" in parts):
+            return None
+        return push - mono - parts["to_d_step"], tpot + parts["write"] + 1.0
+    return Goal("push TTFT p50 - monolithic's - to_d_step <= D's decode step (TPOT p50) + write + 1 ms, in ms",
+                measure)
+
+
+def step_cpu_goal(mode: str, side: str, bound_us: float) -> Goal:
+    """Our connector's CPU on the engine thread per step, p99 (a histogram bucket's bound)."""
+    def measure(point: Point):
+        value = _figure(point, mode, f"{side}_step_cpu_p99_us")
+        return (value, bound_us) if value is not None else None
+    return Goal(f"{mode}: connector CPU per {side} engine step p99 <= {bound_us:g} us", measure)
+
+
+SEED = Preset(
+    name="seed", about="long prompts into a KV-heavy model, P kept busy, fragmented KV, modes interleaved",
+    input_lens=[2048], output_len=32, prompts=32, rounds=3, max_model_len=2560, kv_cache_bytes=768 << 20,
+    p_busy=[0.8], kv_heavy=True, churn=True,
+    goals=(ratio_goal("push", "ttft_p50_ms", "vllm-pull", 0.5, "TTFT p50"),
+           ratio_goal("push", "ttft_p50_ms", "vllm-push", 0.9, "TTFT p50"),
+           ratio_goal("push", "tpot_p50_ms", "vllm-pull", 0.8, "TPOT p50"),
+           ratio_goal("pull", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50")))
+
+LIGHT = Preset(
+    name="light", about="the light corner: short prompts, light load, the default tiny model",
+    input_lens=[512], output_len=32, prompts=16, rounds=3, max_model_len=2048, kv_cache_bytes=256 << 20,
+    rates=[1.0, 2.0],
+    goals=(ratio_goal("push", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50"),
+           ratio_goal("push", "ttft_p50_ms", "vllm-push", 0.8, "TTFT p50"),
+           ratio_goal("push", "ttft_p99_ms", "vllm-pull", 0.25, "TTFT p99"),
+           ratio_goal("push", "ttft_p99_ms", "vllm-push", 0.25, "TTFT p99"),
+           push_tax_goal(),
+           *(step_cpu_goal(mode, side, 100) for mode in ("push", "pull") for side in ("prefill", "decode"))))
+
+PRESETS = {p.name: p for p in (SEED, LIGHT)}
+
+
+def rates_for(p_busy: list[float], prefill_ms: float) -> list[float]:
+    """Request rates that keep P busy for each fraction of its time, one prefill taking ``prefill_ms``."""
+    return [round(busy * 1000.0 / prefill_ms, 2) for busy in p_busy]
+
+
+def evaluate(goals: tuple[Goal, ...], results: list[RunResult]) -> list[dict]:
+    """Every goal at every point of ``results``: measured, bound, met (None: a figure was missing)."""
+    points: dict[tuple[float, int], Point] = {}
+    for r in results:
+        points.setdefault((r.rate, r.input_len), {})[r.mode] = r
+    out = []
+    for (rate, input_len), point in points.items():
+        for goal in goals:
+            got = goal.measure(point)
+            out.append({"goal": goal.text, "rate": rate, "input_len": input_len,
+                        "measured": None if got is None else round(got[0], 2),
+                        "bound": None if got is None else round(got[1], 2),
+                        "met": None if got is None else got[0] <= got[1]})
+    return out

@@ -1,0 +1,133 @@
+"""`neuron-disagg bench --preset`: what a preset sets (and what flags beside it override), the rates
+from P's measured prefill time, the churn that fragments the pools, descriptors per transfer read
+from /metrics, and the goals judged from a run's results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from neuron_disagg.bench import cli, report
+from neuron_disagg.bench.load import (ConnectorReading, Load, RunResult, bench_serve_command,
+                                      descriptors_per_transfer, pool_churn_prompts)
+from neuron_disagg.bench.preset import LIGHT, PRESETS, SEED, evaluate, rates_for
+from neuron_disagg.demo import tiny_model
+
+
+def result(mode, ttft, tpot=10.0, p99=None, rate=1.0, **kw) -> RunResult:
+    return RunResult(mode, rate, 512, 32, 16, completed=16, ttft_p50_ms=ttft, ttft_p99_ms=p99 or ttft * 2,
+                     tpot_p50_ms=tpot, **kw)
+
+
+def test_a_preset_sets_its_workload_and_flags_beside_it_win():
+    args = cli.parse(["--preset", "seed"])
+    assert (args.input_lens, args.p_busy, args.churn, args.rounds) == (SEED.input_lens, [0.8], True, 3)
+    assert args.kv_cache_bytes == SEED.kv_cache_bytes and args.max_model_len >= SEED.input_lens[0] + args.output_len
+    args = cli.parse(["--preset", "seed", "--rounds", "2", "--input-lens", "1024"])
+    assert (args.rounds, args.input_lens, args.p_busy) == (2, [1024], [0.8])
+    light = cli.parse(["--preset", "light"])
+    assert (light.rates, light.input_lens, light.p_busy, light.churn) == ([1.0, 2.0], [512], [], False)
+    assert cli.parse([]).preset is None and cli.parse([]).rounds == 1  # no preset: the defaults as before
+    with pytest.raises(SystemExit):
+        cli.parse(["--preset", "heavy"])
+
+
+def test_the_seed_model_is_kv_heavy_for_its_compute():
+    """Per token, its KV for each weight it multiplies is several times the default tiny model's:
+    what a 32B model's KV is to its compute on a TP rank, scaled down."""
+    def kv_bytes(s):
+        return 2 * s["layers"] * s["kv_heads"] * s["head_dim"]
+
+    def weights(s):
+        attention = s["hidden"] * s["head_dim"] * (2 * s["heads"] + 2 * s["kv_heads"])
+        return s["layers"] * (attention + 3 * s["hidden"] * s["intermediate"])
+
+    heavy, default = tiny_model.KV_HEAVY, tiny_model.SPEC
+    assert kv_bytes(heavy) / weights(heavy) >= 4 * kv_bytes(default) / weights(default)
+    assert kv_bytes(heavy) >= 4 * kv_bytes(default)
+    assert tiny_model.cache_dir(heavy) != tiny_model.cache_dir(default)
+
+
+def test_rates_keep_p_busy_the_share_asked():
+    assert rates_for([0.8], 1000.0) == [0.8]
+    assert rates_for([0.7, 0.9], 500.0) == [1.4, 1.8]
+
+
+def test_churn_spreads_lengths_within_the_load_and_goes_round_the_pool(tmp_path):
+    command = bench_serve_command("http://h:1", "tok", Load(float("inf"), 1100, 16, 24, max_concurrency=4,
+                                                           range_ratio=0.8), tmp_path, "churn")
+    assert command[command.index("--random-range-ratio") + 1] == "0.8"
+    assert command[command.index("--max-concurrency") + 1] == "4"
+    assert "--random-range-ratio" not in bench_serve_command("http://h:1", "tok", Load(1.0, 512, 32, 8), tmp_path, "x")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "num_key_value_heads": 1,
+                                                      "head_dim": 64, "hidden_size": 64, "num_attention_heads": 1}))
+    # 16 KiB per token in float32; 512 MiB hold 32,768 tokens; churn prompts average 1,126 tokens
+    assert pool_churn_prompts(str(tmp_path), 512 << 20, 4, 2048) == 44
+    assert pool_churn_prompts("Qwen/Qwen3-32B", 512 << 20, 2, 2048) == 8  # no config to read
+
+
+def test_descriptors_per_transfer_counts_both_sides_posts_per_load_finished():
+    def reading(descriptors, transfers):
+        return ConnectorReading({}, {}, 0.0, descriptors, transfers)
+
+    p = (reading(100, 4), reading(4196, 8))  # push: P posts
+    d = (reading(0, 4), reading(0, 8))
+    assert descriptors_per_transfer(p, d) == 1024.0
+    assert descriptors_per_transfer((reading(0, 0), reading(0, 0)), (reading(10, 1), reading(10, 1))) is None
+
+
+def test_goals_say_what_was_measured_against_what_was_asked():
+    results = [result("monolithic", 100.0), result("vllm-pull", 400.0, 20.0), result("vllm-push", 300.0),
+               result("push", 150.0, 12.0, breakdown_ms={"write": 5.0, "to_d_step": 30.0, "ttft": 150.0}),
+               result("pull", 350.0, 12.0)]
+    by_goal = {g["goal"]: g for g in evaluate(SEED.goals, results)}
+    assert by_goal["push TTFT p50 <= 0.5x vllm-pull"] == {"goal": "push TTFT p50 <= 0.5x vllm-pull", "rate": 1.0,
+                                                          "input_len": 512, "measured": 0.38, "bound": 0.5,
+                                                          "met": True}
+    assert by_goal["push TTFT p50 <= 0.9x vllm-push"]["met"] is True  # 0.5
+    assert by_goal["push TPOT p50 <= 0.8x vllm-pull"]["met"] is True  # 0.6
+    assert by_goal["pull TTFT p50 <= 0.8x vllm-pull"]["met"] is False  # 0.88
+    light = {g["goal"]: g for g in evaluate(LIGHT.goals, results)}
+    tax = next(g for text, g in light.items() if text.startswith("push TTFT p50 - monolithic's"))
+    assert (tax["measured"], tax["bound"], tax["met"]) == (20.0, 18.0, False)  # 150-100-30 against 12+5+1
+    cpu = light["push: connector CPU per prefill engine step p99 <= 100 us"]
+    assert cpu["met"] is None and cpu["measured"] is None  # not in these results: said, not guessed
+    failed = evaluate(SEED.goals, [result("push", 150.0), result("vllm-pull", 0.0, error="did not start")])
+    assert failed[0]["met"] is None
+
+
+def test_a_run_under_a_preset_reports_its_goals_descriptors_and_p_busy():
+    results = [result("push", 150.0, descriptors_per_transfer=4096.0, p_busy=0.8),
+               result("vllm-pull", 400.0, p_busy=0.8)]
+    header, *rows = report.table(results)
+    assert "desc/transfer" in header and "P busy" in header
+    assert rows[0][header.index("desc/transfer")] == "4096" and rows[1][header.index("desc/transfer")] == "-"
+    assert "desc/transfer" not in report.table([result("push", 150.0)])[0]  # shown only where measured
+    goals = evaluate(SEED.goals, results)
+    md = report.markdown(results, {"preset": "seed", "goals": goals, "p_prefill_ms": {512: 1000.0},
+                                   "p_busy": [0.8], "churn": True})
+    assert "## Goals of `--preset seed`" in md and "| push TTFT p50 <= 0.5x vllm-pull | 1.0 | 512 | 0.38 | 0.50 | yes |" in md
+    assert "P's prefill time alone (one request at a time, before any load): 1000 ms at 512 tokens" in md
+    assert "NOT MET" in report.goals_text(goals, "seed") or "no data" in report.goals_text(goals, "seed")
+    assert set(PRESETS) == {"seed", "light"}
+
+
+def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
+    """vLLM's connectors mark no timeline of ours, but the router marks P's answer in every mode: the
+    bench reads the split from the router's file alone."""
+    from neuron_disagg.bench.load import breakdown_between
+    from neuron_disagg.timeline import Timeline, p_and_after
+
+    router = Timeline(tmp_path, "router")
+    for i, (answered, first) in enumerate([(1.0, 1.2), (1.1, 1.2), (1.5, 1.55)]):
+        router.mark(f"r{i}#0", "router_arrived", 100.0 + i)
+        router.mark(f"r{i}#0", "router_p_answered", 100.0 + i + answered)
+        router.mark(f"r{i}#0", "router_first_byte", 100.0 + i + first)
+    router.mark("late#0", "router_arrived", 200.0)  # another run's
+    router.close()
+    split = breakdown_between(str(tmp_path), 99.0, 150.0, p_and_after)
+    assert split == {"until_p_answered": pytest.approx(1100.0), "after_p_answered": pytest.approx(100.0)}
+    assert breakdown_between(str(tmp_path), 99.0, 150.0) is None  # no instance marks: no full breakdown
+    md = report.markdown([result("vllm-pull", 1200.0, p_and_after_ms=split)], {})
+    assert "| vllm-pull | 1.0 | 512 | 1100.0 | 100.0 | 1200 |" in md
