@@ -40,6 +40,10 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     threads = runs["push"]["thread_cpu_percent"]
     assert set(threads) == {"P writer", "P lender", "D receiver", "D reader"} and threads["P writer"] > 0
     assert runs["vllm-push"]["breakdown_ms"] is None  # vLLM's connector marks no timeline
+    for mode, r in runs.items():  # ... but the router splits every mode's TTFT at P's answer
+        split = r["p_and_after_ms"]
+        assert split and 0 < split["until_p_answered"] < r["ttft_p50_ms"] * 2, (mode, split)
+    assert runs["push"]["descriptors_per_transfer"] >= 1 and runs["vllm-push"]["descriptors_per_transfer"] is None
     for name in ("results.md", "latency-in128.png", "ttft-breakdown.png"):
         assert (out / name).stat().st_size > 0
     assert "TTFT/mono" in run.stdout and "rounds' p50 ms" in (out / "results.md").read_text()
