@@ -100,7 +100,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, rates=preset.rates or [1.0, 2.0],
                        p_busy=preset.p_busy, churn=preset.churn)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
+    if {"--rates", "--p-busy"} <= given:
+        p.error("give --rates or --p-busy, not both")
+    if "--rates" in given:  # beside a preset that sets P's share busy, the rates given win
+        args.p_busy = []
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,10 @@ def test_a_preset_sets_its_workload_and_flags_beside_it_win():
     assert args.kv_cache_bytes == SEED.kv_cache_bytes and args.max_model_len >= SEED.input_lens[0] + args.output_len
     args = cli.parse(["--preset", "seed", "--rounds", "2", "--input-lens", "1024"])
     assert (args.rounds, args.input_lens, args.p_busy) == (2, [1024], [0.8])
+    args = cli.parse(["--preset", "seed", "--rates", "0.5"])
+    assert (args.rates, args.p_busy) == ([0.5], [])  # rates given: no capacity-derived rate
+    with pytest.raises(SystemExit):
+        cli.parse(["--rates", "1", "--p-busy", "0.8"])
     light = cli.parse(["--preset", "light"])
     assert (light.rates, light.input_lens, light.p_busy, light.churn) == ([1.0, 2.0], [512], [], False)
     assert cli.parse([]).preset is None and cli.parse([]).rounds == 1  # no preset: the defaults as before
