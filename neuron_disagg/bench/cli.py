@@ -98,8 +98,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         preset = PRESETS[name]
         p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
-                       kv_cache_bytes=preset.kv_cache_bytes, rates=preset.rates or [1.0, 2.0],
-                       p_busy=preset.p_busy, churn=preset.churn)
+                       kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
+                       **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
     given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
     if {"--rates", "--p-busy"} <= given:

@@ -130,19 +130,23 @@ def prefill_ms(url: str, tokenizer: str, input_len: int, out_dir: Path, prompts:
     return float(raw["median_e2el_ms"])
 
 
+#: ``churn``'s prompts average this share of the load's input length (10-99% of it).
+CHURN_MEAN_SHARE = 0.55
+
+
 def churn(url: str, tokenizer: str, load: Load, prompts: int, out_dir: Path, name: str) -> None:
     """Fragments the block pools behind ``url``: ``prompts`` requests whose prompts spread over 10-99%
     of ``load.input_len`` and outputs as widely under ``load.output_len`` (so each fits wherever the
     load fits), four at a time, so that they end out of order. vLLM frees a request's blocks tail
     first onto the back of its free queue and allocates from the front: once the pool has gone round,
     no request's blocks ascend, and every block of every layer is a descriptor of its own."""
-    spread = Load(float("inf"), max(1, round(load.input_len * 0.55)), max(1, load.output_len // 2), prompts,
+    spread = Load(float("inf"), max(1, round(load.input_len * CHURN_MEAN_SHARE)), max(1, load.output_len // 2), prompts,
                   max_concurrency=4, range_ratio=0.8, seed=11)
     bench_serve(url, tokenizer, spread, out_dir, f"churn-{name}")
 
 
 def pool_churn_prompts(model_dir: str, kv_cache_bytes: int, dtype_bytes: int, input_len: int) -> int:
-    """How many of ``churn``'s requests (their prompts 0.55 ``input_len`` on average) go round a KV
+    """How many of ``churn``'s requests (``CHURN_MEAN_SHARE`` of ``input_len`` on average) go round a KV
     pool of ``kv_cache_bytes`` one and a half times, from the model's config.json (8 where it cannot
     be read: a model name, not a directory)."""
     try:
@@ -151,7 +155,7 @@ def pool_churn_prompts(model_dir: str, kv_cache_bytes: int, dtype_bytes: int, in
         per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         return 8
-    return max(8, -(-3 * kv_cache_bytes // (2 * per_token * round(input_len * 0.55))))
+    return max(8, -(-3 * kv_cache_bytes // (2 * per_token * round(input_len * CHURN_MEAN_SHARE))))
 
 
 def breakdown_between(directory: str, start: float, end: float,
