@@ -23,7 +23,7 @@ from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.local_cluster import free_port, router, stop_together  # noqa: E402
 
 from .vllm_cluster import (  # noqa: E402
-    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion,
+    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, explained,
     handed_over_early, kv_usage, legs, metric, next_id, prompt, reference, run, wait_for,
 )
 
@@ -353,7 +353,9 @@ def test_a_captured_prefill_leg_replayed_with_another_prompt_is_served_plainly_a
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
     replayed = metric(cluster.p, "neuron_disagg_params_replayed_total")
     expiries = metric(cluster.p, "neuron_disagg_lease_expiries_total")
-    wait_for(lambda: kv_usage(cluster.p) > 0, 10, "P holding the first request's KV for its D")
+    with explained(cluster):  # the connector's own gauge first: vLLM's usage gauge may lag a step
+        wait_for(lambda: metric(cluster.p, "neuron_disagg_held_blocks") > 0 or kv_usage(cluster.p) > 0, 10,
+                 "P holding the first request's KV for its D")
     r = httpx.post(f"{cluster.p.url}/v1/completions", json={**p_body, "prompt": prompt(300, 95)}, timeout=60)
     assert r.status_code == 200, r.text
     wait_for(lambda: metric(cluster.p, "neuron_disagg_params_replayed_total") == replayed + 1, 30,
