@@ -265,6 +265,16 @@ class SideChannelServer:
         self._wake_w.close()
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """The peer closed or reset this connection (it never sends on one it did not answer)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing to read
+    except OSError:
+        return True
+
+
 class SideChannelClient:
     """Sends to peers' side channels; one cached connection per peer address."""
 
@@ -281,6 +291,11 @@ class SideChannelClient:
 
     def _connect(self, addr: tuple[str, int]) -> socket.socket:
         sock = self._conns.get(addr)
+        if sock is not None and _closed_by_peer(sock):
+            # The peer went away (a P restarted at the same address): a frame written into this
+            # socket would be accepted by the kernel and lost, and D would wait out its watchdog.
+            self._drop(addr)
+            sock = None
         if sock is None:
             sock = socket.create_connection(addr, timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -21,14 +21,14 @@ HEARTBEAT = Heartbeat(TransferId("r", 0), 1.0)
 def server():
     made = []
 
-    def start(**limits):
+    def start(port=0, **limits):
         got: list = []
 
         def on_message(message):
             got.append(message)
             return HEARTBEAT if isinstance(message, AgentInfoRequest) else None
 
-        made.append(SideChannelServer("127.0.0.1", 0, WireCodec(SECRET), on_message, **limits).start())
+        made.append(SideChannelServer("127.0.0.1", port, WireCodec(SECRET), on_message, **limits).start())
         made[-1].got = got
         return made[-1]
 
@@ -66,6 +66,21 @@ def test_a_peer_with_the_secret_is_answered_and_stays_connected_past_the_first_f
     client.send(addr, HEARTBEAT)
     wait(lambda: srv.got.count(HEARTBEAT) == 2)
     assert srv.connections == 1 and not srv.rejected
+    client.close()
+
+
+def test_a_peer_restarted_at_the_same_address_gets_the_next_message_not_the_dead_connection(server):
+    """A P that died and came back on its port: the client's cached connection to the old one
+    is dead, and a frame written into it would vanish (D then waits out its watchdog)."""
+    first = server()
+    addr = rank_address(first.address, 0)
+    client = SideChannelClient(WireCodec(SECRET))
+    client.send(addr, HEARTBEAT)
+    wait(lambda: first.got == [HEARTBEAT])
+    first.close()
+    second = server(port=addr[1])
+    client.send(addr, HEARTBEAT)
+    wait(lambda: second.got == [HEARTBEAT])
     client.close()
 
 
