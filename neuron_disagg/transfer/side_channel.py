@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import select
 import selectors
 import socket
 import struct
@@ -266,11 +267,14 @@ class SideChannelServer:
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
-    """The peer closed or reset this connection (it never sends on one it did not answer)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
+    """The peer closed or reset this connection. Polled first, without waiting: a socket with a
+    timeout waits that long in ``recv`` even when asked not to block."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
         return False  # open, nothing to read
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""  # end of stream; else a reply we did not read
     except OSError:
         return True
 

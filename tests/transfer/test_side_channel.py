@@ -62,10 +62,12 @@ def test_a_peer_with_the_secret_is_answered_and_stays_connected_past_the_first_f
     addr = rank_address(srv.address, 0)
     assert client.request(addr, AgentInfoRequest("d")) == HEARTBEAT
     client.send(addr, HEARTBEAT)
+    kept = client._conns[addr]
     time.sleep(0.5)  # past the deadline: verified connections are not expired
     client.send(addr, HEARTBEAT)
     wait(lambda: srv.got.count(HEARTBEAT) == 2)
     assert srv.connections == 1 and not srv.rejected
+    assert client._conns[addr] is kept  # the live connection is reused, not taken for a dead one
     client.close()
 
 
