@@ -134,6 +134,11 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None) or "unknown"
+        self._role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, role)
+        # Every series says its role: where one scrape covers P and D (Ray exports every replica's
+        # metrics from one port; a Kubernetes Prometheus scrapes both pods' alike), it tells them apart.
+        labelnames = [*labelnames, "role"]
         self._counts = {name: self._counter_cls(f"neuron_disagg_{name}", doc, labelnames=labelnames)
                         for name, doc in COUNTS.items()}
         self._failures = self._counter_cls("neuron_disagg_failures", "failed transfers by reason",
@@ -151,16 +156,14 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             "neuron_disagg_connector_step_cpu_seconds", "the engine thread's CPU time in the connector per "
             "step (the wall-clock series less the time the thread waited, for a lock or for its core)",
             labelnames=labelnames, buckets=STEP_BUCKETS_S)
-        role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None) or "unknown"
-        self._role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, role)
         self._held = self._gauge_cls(
             "neuron_disagg_held_blocks", "KV blocks the connector holds for transfers (P: handed to the "
             "writer; D: registered for P's write, or fenced); back to 0 when nothing is in flight",
-            labelnames=[*labelnames, "role"], multiprocess_mode="mostrecent")
+            labelnames=labelnames, multiprocess_mode="mostrecent")
         # What the router checks each instance against (router/health.py): 1 for the role it runs.
         self._role_gauge = self._gauge_cls(
             "neuron_disagg_role", "the role this instance's connector runs (1): prefill or decode",
-            labelnames=[*labelnames, "role"], multiprocess_mode="mostrecent")
+            labelnames=labelnames, multiprocess_mode="mostrecent")
         for labels in per_engine_labelvalues.values():
             self._held.labels(*labels, self._role).set(0)
             self._role_gauge.labels(*labels, self._role).set(1)
@@ -169,16 +172,16 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for name, value in transfer_stats_data.get("counts", {}).items():
             if name in self._counts and value:
-                self._counts[name].labels(*labels).inc(value)
+                self._counts[name].labels(*labels, self._role).inc(value)
         for reason, value in transfer_stats_data.get("failures", {}).items():
-            self._failures.labels(*labels, reason).inc(value)
+            self._failures.labels(*labels, self._role, reason).inc(value)
         for reason, value in transfer_stats_data.get("recomputed", {}).items():
-            self._recomputed.labels(*labels, reason).inc(value)
+            self._recomputed.labels(*labels, self._role, reason).inc(value)
         for ms in transfer_stats_data.get("write_ms", []):
-            self._write.labels(*labels).observe(ms / 1e3)
+            self._write.labels(*labels, self._role).observe(ms / 1e3)
         for series, histogram in (("step_us", self._step), ("step_cpu_us", self._step_cpu)):
             for us in transfer_stats_data.get(series, []):
-                histogram.labels(*labels).observe(us / 1e6)
+                histogram.labels(*labels, self._role).observe(us / 1e6)
         if "held_blocks" in transfer_stats_data:
             self._held.labels(*labels, self._role).set(transfer_stats_data["held_blocks"])
         remember(transfer_stats_data.get("failed_requests") or {})

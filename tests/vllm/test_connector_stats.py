@@ -36,17 +36,19 @@ def test_worker_snapshots_add_up_across_ranks():
     assert set(COUNTS) <= set(reduced)
 
 
-def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine():
+def test_every_count_is_exported_as_a_neuron_disagg_counter_per_engine_saying_its_role():
     registry, types = metric_types()
-    metrics = ConnectorPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"], 1: ["1"]})
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer"))
+    metrics = ConnectorPromMetrics(config, types, ["engine"], {0: ["0"], 1: ["1"]})
     metrics.observe(payload(agent_resets=2, bytes=4096), engine_idx=1)
     metrics.observe(payload(agent_resets=1), engine_idx=1)
-    assert registry.get_sample_value("neuron_disagg_agent_resets_total", {"engine": "1"}) == 3
-    assert registry.get_sample_value("neuron_disagg_bytes_total", {"engine": "1"}) == 4096
-    assert registry.get_sample_value("neuron_disagg_agent_resets_total", {"engine": "0"}) in (None, 0)
+    one, zero = {"engine": "1", "role": "prefill"}, {"engine": "0", "role": "prefill"}
+    assert registry.get_sample_value("neuron_disagg_agent_resets_total", one) == 3
+    assert registry.get_sample_value("neuron_disagg_bytes_total", one) == 4096
+    assert registry.get_sample_value("neuron_disagg_agent_resets_total", zero) in (None, 0)
     for name in COUNTS:
         metrics.observe(payload(**{name: 1}), engine_idx=0)
-        assert registry.get_sample_value(f"neuron_disagg_{name}_total", {"engine": "0"}) == 1, name
+        assert registry.get_sample_value(f"neuron_disagg_{name}_total", zero) == 1, name
 
 
 def test_held_blocks_is_a_gauge_that_starts_at_zero_and_follows_the_latest_report():
