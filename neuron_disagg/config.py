@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from .kv_params import ParamsSigner
 
 
+#: In a deployment file (``deploy.settings``, examples/qwen3-32b.yaml) the connector's config is this
+#: section: every command that reads a config reads that file too, so one file carries a deployment.
+DEPLOYMENT_SECTION = "neuron_disagg"
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message names each bad field and what it accepts."""
 
@@ -57,6 +62,11 @@ class Config(BaseModel):
     params_ttl_s: float = Field(600.0, gt=0, le=86400,
                                 description="the router's signed kv_transfer_params are honoured this "
                                 "long; a request queued longer runs as a plain request")
+    accept_unsigned_prefill_legs: bool = Field(
+        False, description="P: a leg marked only with vLLM's do_remote_decode (what llm-d's routing sidecar "
+        "sends) is computed under pull, and P answers with D's whole params, signed here, so the sidecar "
+        "needs no secret. Off: such a leg runs as a plain request. On, whoever reaches P's port can make "
+        "it hold a prompt's KV for lease_s")
     side_channel_host: str = Field("127.0.0.1", min_length=1)
     side_channel_port: int = Field(5600, ge=1024, le=65535)
     backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
@@ -113,6 +123,8 @@ class Config(BaseModel):
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of settings")
+        if isinstance(data.get(DEPLOYMENT_SECTION), dict):  # a deployment file: its connector section
+            return cls.from_mapping(data[DEPLOYMENT_SECTION], source=f"config file {path}, {DEPLOYMENT_SECTION}")
         return cls.from_mapping(data, source=f"config file {path}")
 
     # -- derived ------------------------------------------------------------------------------------

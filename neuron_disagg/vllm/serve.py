@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import uuid
 
@@ -23,7 +24,9 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) -> dict:
-    extra = config.model_dump(mode="json", exclude_defaults=True)
+    # What differs from the defaults, and what the config names even at its default (a side channel
+    # host written as 127.0.0.1 is meant, where a Ray replica would otherwise advertise its node's).
+    extra = {**config.model_dump(mode="json", exclude_defaults=True), **config.model_dump(mode="json", exclude_unset=True)}
     return {
         "kv_connector": "NeuronDisaggConnector",
         "kv_connector_module_path": "neuron_disagg.vllm.connector",
@@ -72,11 +75,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("role", choices=sorted(ROLES))
     parser.add_argument("model")
     parser.add_argument("--config", help="neuron-disagg YAML config (side channel, leases, secret source)")
+    parser.add_argument("--side-channel-host", help="this instance's address for the side channel, over the "
+                        "config's (one config for every pod: Kubernetes passes each its own, $(POD_IP))")
     parser.add_argument("--dry-run", action="store_true", help="print the vllm command and exit")
     ours, _, theirs = (argv[: argv.index("--")], "--", argv[argv.index("--") + 1:]) if "--" in argv else (argv, "", [])
     args = parser.parse_args(ours)
     try:
         config = Config.from_yaml(args.config) if args.config else Config()
+        if args.side_channel_host:
+            config = Config.from_mapping({**config.model_dump(exclude_unset=True), "side_channel_host": args.side_channel_host},
+                                         source="--side-channel-host")
         config.load_secret()  # fail now, not in a worker process after a minute of start-up
         version = compat.installed_version()
         if compat.check_version(version):
@@ -89,7 +97,7 @@ def main(argv: list[str]) -> int:
     command = build_command(args.role, args.model, config, theirs)
     if args.dry_run:
         added = env.get("LD_LIBRARY_PATH") != os.environ.get("LD_LIBRARY_PATH")
-        print((f"LD_LIBRARY_PATH={env['LD_LIBRARY_PATH']} " if added else "") + " ".join(command))
+        print((f"LD_LIBRARY_PATH={env['LD_LIBRARY_PATH']} " if added else "") + shlex.join(command))  # pastes into a shell
         return 0
     os.execve(command[0], command, env)
     return 0  # not reached

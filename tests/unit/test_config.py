@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from neuron_disagg.config import Config, ConfigError
@@ -28,6 +30,18 @@ def test_yaml_file(tmp_path):
     path.write_text("mode: pull\nlease_s: 12\nheartbeat_interval_s: 2\n")
     config = Config.from_yaml(path)
     assert (config.mode, config.lease_s, config.heartbeat_interval_s) == ("pull", 12, 2)
+
+
+def test_a_deployment_file_gives_its_connector_section(tmp_path):
+    """examples/qwen3-32b.yaml configures `launch`, and through its neuron_disagg section `serve`,
+    `router` and `ray-serve`: one file for a deployment, whatever runs it."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-32b.yaml"
+    assert Config.from_yaml(example).mode == "push"
+    path = tmp_path / "deployment.yaml"
+    path.write_text("name: x\nmodel: m\nneuron_disagg:\n  mode: pull\n  lease_s: -1\n")
+    with pytest.raises(ConfigError, match="neuron_disagg") as err:
+        Config.from_yaml(path)
+    assert "lease_s" in str(err.value)
 
 
 def test_yaml_errors_name_the_file(tmp_path):
