@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -126,6 +127,20 @@ class LegParams:
     prompts: int = 1              # distinct prompts of the HTTP request these params were signed for
     signature: str = ""           # names this signed set (SingleUse)
     expires_at: float = 0.0       # Unix seconds
+    answers_decode: bool = False  # P, pull: answer D's whole signed params (no router to write them)
+
+
+def unsigned_prefill(params: dict[str, Any] | None, request_id: str, ttl_s: float,
+                     now: float | None = None) -> LegParams | None:
+    """A prefill leg marked only with vLLM's own ``do_remote_decode`` (llm-d's routing sidecar sends
+    it, and passes P's answer to D verbatim): a pull leg whose answer is D's whole params. Its
+    transfer is named by the engine request id, less vLLM's prefix for one of ``n`` samples
+    ("<i>_"), so that samples of one prompt share it. None for anything else."""
+    if not params or KEY in params or params.get("do_remote_decode") is not True or params.get("do_remote_prefill"):
+        return None
+    request = f"ext-{re.sub(r'^[0-9]+_', '', request_id)}"
+    return LegParams("prefill", "pull", TransferId(request, 0), signature=f"unsigned:{request}",
+                     expires_at=(time.time() if now is None else now) + ttl_s, answers_decode=True)
 
 
 def parse_transfer_id(text: str) -> TransferId:

@@ -82,7 +82,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             if scheduler_side is PrefillScheduler:
                 async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
                 self.scheduler_side = PrefillScheduler(block_size, signer, timeline=timeline,
-                                                       async_scheduling=async_scheduling)
+                                                       async_scheduling=async_scheduling,
+                                                       accept_unsigned=self.config.accept_unsigned_prefill_legs)
             else:
                 self.scheduler_side = DecodeScheduler(block_size, signer, timeline=timeline)
         else:

@@ -152,6 +152,8 @@ class SchedulerSide:
         except leg_params.BadTransferParams as exc:  # never raise on the engine loop
             return self._refuse(request, "params_rejected", str(exc))
         if parsed is None:
+            parsed = self._unsigned(request)
+        if parsed is None:
             return None
         if parsed.role != self.role:  # a router that took this instance for the other role
             return self._refuse(request, "params_for_other_role",
@@ -169,6 +171,10 @@ class SchedulerSide:
         if arrived is not None:
             self.timeline.mark(key, f"{self.role[0]}_arrived", arrived)
         return leg
+
+    def _unsigned(self, request) -> leg_params.LegParams | None:
+        """A leg for params not signed by us, where this role takes one (P: ``accept_unsigned_prefill_legs``)."""
+        return None
 
     def _refuse(self, request, count: str, why: str) -> None:
         self.counts[count] += 1

@@ -70,8 +70,9 @@ class PrefillScheduler(SchedulerSide):
     role, TABLE, HOLDING = "prefill", PREFILL_TABLE, frozenset({_P.HANDED_OFF})
 
     def __init__(self, block_size: int, signer: leg_params.ParamsSigner, offers: OfferMaker | None = None,
-                 async_scheduling: bool = False, **kwargs):
+                 async_scheduling: bool = False, accept_unsigned: bool = False, **kwargs):
         super().__init__(block_size, signer, **kwargs)
+        self.accept_unsigned = accept_unsigned  # llm-d's sidecar: legs with vLLM's do_remote_decode only
         # vLLM schedules step N+1 before step N's output is in: a prefill that ends in step N is
         # handed over at step N+1's start (once we know N+1 did not preempt it), not after N's forward.
         self.async_scheduling = async_scheduling
@@ -86,6 +87,12 @@ class PrefillScheduler(SchedulerSide):
         if leg.early:
             self._following[request.request_id] = leg
         return leg
+
+    def _unsigned(self, request) -> leg_params.LegParams | None:
+        if not self.accept_unsigned:
+            return None
+        return leg_params.unsigned_prefill(getattr(request, "kv_transfer_params", None), request.request_id,
+                                           self.signer.ttl_s)
 
     def _forget(self, leg: Leg) -> None:
         self._stop_following(leg)
@@ -144,8 +151,12 @@ class PrefillScheduler(SchedulerSide):
                 return True, None  # the writer frees them; we hear of it in finished_sending
             offer, frame = self.offers.offer(tid, leg.block_ids)
             self._step.lend.append(OfferMade(tid, request.request_id, offer))
-            self.offered[tid] = leg_params.prefill_answer(base64.b64encode(frame).decode())
-            return True, self.offered[tid]
+            answer = leg_params.prefill_answer(base64.b64encode(frame).decode())
+            if leg.params.answers_decode:  # no router to write D's params: they are this answer
+                request_tid = leg.params.transfer_id
+                answer = leg_params.pull_decode(self.signer, f"{request_tid.request}#{request_tid.attempt}", [answer])
+            self.offered[tid] = answer
+            return True, answer
         if finished:
             log.warning("request %s: no pull offer possible before the workers' handshake", request.request_id)
         self._step.abort.append(Abort(tid, f"prefill request ended: {status}"))

@@ -215,6 +215,46 @@ def test_a_pull_prefill_answers_with_a_signed_offer_and_lends_its_blocks():
     assert p.free_blocks == free and not p.side.legs
 
 
+#: What llm-d's routing sidecar (llm-d/llm-d-router, pkg/sidecar/proxy/connector_nixlv2.go) puts on P's leg.
+SIDECAR_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def lending_p(**extra) -> Engine:
+    p = Engine("prefill", extra=extra)
+    p.connector.set_xfer_handshake_metadata({0: RankHandshake(RankRegions(0, "engine-rank0", ()))})
+    return p
+
+
+def test_a_sidecars_prefill_leg_is_lent_and_answered_with_ds_whole_signed_params_where_p_accepts_them():
+    """llm-d's sidecar hands P's answer to D verbatim: P answers with the pull decode params our
+    router would write, signed by P; samples of one prompt (vLLM names them "<i>_<id>") share it."""
+    p = lending_p(accept_unsigned_prefill_legs=True)
+    free = p.free_blocks
+    first = p.add(PROMPT, SIDECAR_PREFILL, max_tokens=1, request_id="cmpl-uuid1-0")
+    sample = p.add(PROMPT, SIDECAR_PREFILL, max_tokens=1, request_id="1_cmpl-uuid1-0")
+    p.step()
+    step = p.step()
+    (lend,) = step.metadata.lend  # one offer for the prompt, whichever sample ends first
+    assert lend.transfer_id.request == "ext-cmpl-uuid1-0" and p.free_blocks == free - 3
+    answers = [p.side.offered[lend.transfer_id]]
+    parsed = kv_params.parse(answers[0], signer())
+    assert (parsed.role, parsed.mode, parsed.transfer_id.request) == ("decode", "pull", "ext-cmpl-uuid1-0")
+    assert base64.b64decode(parsed.offers[0])  # the signed offer frame D's reader verifies
+    assert {first.status.name, sample.status.name} == {"FINISHED_LENGTH_CAPPED"}
+    p.step(sent={lend.request_id})
+    assert p.free_blocks == free and not p.side.legs
+
+
+def test_a_sidecars_prefill_leg_runs_plain_where_p_does_not_accept_unsigned_legs():
+    p = lending_p()
+    free = p.free_blocks
+    p.add(PROMPT, SIDECAR_PREFILL, max_tokens=1)
+    p.step()
+    step = p.step()
+    assert not step.metadata.lend and not p.side.legs and p.free_blocks == free
+
+
 def test_kv_cache_access_asks_for_one_allocation_per_segment_where_vllm_asks():
     """vLLM 0.34's extensible KV cache lets a segment span several physical allocations unless the
     connector says it registers the memory (RDMA): vLLM's own resolution, given our class."""
