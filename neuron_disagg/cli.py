@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:  # passes everything after `--` to `vllm serve`
         from .vllm.serve import main as serve_main
         return serve_main(argv[1:])
+    if argv[:1] == ["ray-serve"]:
+        from .ray_serve.app import main as ray_serve_main
+        return ray_serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="neuron-disagg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="P, D and the router on 127.0.0.1 with a tiny model: push mode end to end")
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "(Neuron: libcuda stub, CUDA runtime, hwloc; --platform cuda: CUDA "
                                                "runtime, hwloc) (see --help)")
     sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
+    sub.add_parser("ray-serve", help="P and D as Ray Serve LLM deployments behind Ray's OpenAI app, our connector "
+                                     "between them (needs ray[serve]; see `neuron-disagg ray-serve --help`)")
     args = parser.parse_args(argv)
     if args.command == "demo" and args.in_process:
         from .demo.in_process import run_demo

@@ -167,6 +167,91 @@ def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu:
                     env={**(env or {}), config.secret_env: secret})
 
 
+@dataclass
+class RayServeInstance(Instance):
+    """`neuron-disagg ray-serve`: a local Ray cluster serving one application per mode at
+    ``/<mode>``. Ready once it printed that every application serves (Ray's proxy answers before
+    the replicas behind it do)."""
+
+    metrics_port: int = 0  # where Ray exports every replica's metrics
+
+    def wait_ready(self, timeout_s: float = 600) -> "RayServeInstance":
+        from .ray_serve.app import READY_LINE
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray-serve exited with {self.process.returncode}; last log lines:\n{self.tail()}")
+            if READY_LINE in self.log_path.read_text(errors="replace"):
+                return self
+            time.sleep(1)
+        raise TimeoutError(f"ray-serve not serving after {timeout_s} s; last log lines:\n{self.tail()}")
+
+    def app_url(self, mode: str) -> str:
+        return f"{self.url}/{mode}"
+
+    def _signal(self, sig) -> None:
+        """Ray gives each replica (with its vLLM engine's processes) a process group of its own: a
+        SIGKILL reaches those groups too, as the driver's ``ray.shutdown`` would have; and those
+        seen at an earlier signal, whose processes the driver's exit left to init."""
+        if self.process is not None:
+            self._groups = getattr(self, "_groups", set()) | {pgid for _, pgid in descendants(self.process.pid)}
+        super()._signal(sig)
+        if sig == signal.SIGKILL and self.process is not None:
+            for pgid in self._groups - {self.process.pid}:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """(pid, process group) of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        groups[int(stat.parent.name)] = int(fields[2])
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append((child, groups[child]))
+            todo.append(child)
+    return out
+
+
+def ray_serve(model: str, secret: str, config: dict | None = None, *, modes: tuple[str, ...] = ("push", "pull"),
+              replicas: int = 1, python: str = sys.executable, max_model_len: int = 2048,
+              kv_cache_bytes: int = 256 << 20, block_size: int = 32, dtype: str = CPU_DTYPE,
+              prefix_caching: bool = True) -> RayServeInstance:
+    """P and D replicas of ``model`` under Ray Serve LLM with our connector, one application per
+    mode at ``/<mode>``; P's replicas compute on core 0 and D's on core 1, as our instances do.
+    ``config``: our config, its side channel on 127.0.0.1 at a free port unless it names one.
+    Every replica's metrics, ours included, are at ``metrics_port``."""
+    from .ray_serve.app import APP_PORT_STRIDE
+
+    config = {"side_channel_host": "127.0.0.1", "side_channel_port": free_port(), **(config or {})}
+    taken = range(config["side_channel_port"], config["side_channel_port"] + len(modes) * APP_PORT_STRIDE)
+    port, metrics_port = (next(p for p in iter(free_port, None) if p not in taken) for _ in range(2))
+    directory = Path(tempfile.mkdtemp(prefix="neuron-disagg-ray-"))
+    (directory / "config.yaml").write_text(json.dumps(config))  # YAML reads JSON
+    engine = {"max_model_len": max_model_len, "block_size": block_size, "dtype": dtype, "enforce_eager": True,
+              "enable_prefix_caching": prefix_caching,
+              **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {})}
+    command = [python, "-m", "neuron_disagg.cli", "ray-serve", model, "--config", str(directory / "config.yaml"),
+               "--model-id", "tiny", "--modes", ",".join(modes), "--engine-kwargs", json.dumps(engine),
+               "--prefill-replicas", str(replicas), "--decode-replicas", str(replicas),
+               "--prefill-env", "VLLM_CPU_OMP_THREADS_BIND=0", "--decode-env", "VLLM_CPU_OMP_THREADS_BIND=1",
+               "--num-cpus", str(16 * replicas), "--port", str(port), "--metrics-export-port", str(metrics_port)]
+    return RayServeInstance("ray-serve", command, port, "0-1", log_path=directory / "ray-serve.log",
+                            env={Config().secret_env: secret, "RAY_USAGE_STATS_ENABLED": "0"},
+                            metrics_port=metrics_port)
+
+
 REFERENCE_CONNECTORS = {"vllm-push": "NixlPushConnector", "vllm-pull": "NixlConnector"}
 
 

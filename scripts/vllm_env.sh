@@ -44,6 +44,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Keep no copy of what pip downloads (several GB across the three vLLM environments).
 export PIP_NO_CACHE_DIR=1
 py=$VENV/bin/python
+RAY_LLM_EXTRAS="jsonschema typer pyarrow pandas fsspec"
 pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 check() {
   "$py" - "$VERSION" <<'PY'
@@ -52,6 +53,8 @@ spec = importlib.util.find_spec("vllm")
 got = runpy.run_path(str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "_version.py"))["__version__"]
 assert got.split("+")[0] == sys.argv[1], f"vllm {got} installed, expected {sys.argv[1]}"
 import neuron_disagg, nixl, pytest  # noqa: F401
+if sys.argv[1].startswith("0.29."):
+    import ray.serve.llm  # noqa: F401  the Ray tests' engine
 print(f"{sys.prefix}: vllm {got}, neuron-disagg from {neuron_disagg.__file__}")
 PY
 }
@@ -105,6 +108,12 @@ case "$VERSION" in
     ;;
 esac
 pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+# Ray Serve LLM 2.60 pins vLLM 0.29: its environment serves the Ray tests (tests/integration/
+# test_ray_serve.py). ray[llm] itself would pull PyPI's CUDA vllm and an older NIXL over ours, so
+# ray[serve] goes in with the few packages of the llm extra that Ray's LLM serving imports.
+case "$VERSION" in
+  0.29.*) pip_install --no-warn-conflicts "ray[serve]==2.60.0" $RAY_LLM_EXTRAS ;;
+esac
 # As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true
 case "$VERSION" in

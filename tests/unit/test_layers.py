@@ -54,6 +54,8 @@ RULES = {
     "router": ("vllm", "torch", "nixl", "neuron_disagg.vllm", "neuron_disagg.transfer.rank",
                "neuron_disagg.transfer.transport", "neuron_disagg.transfer.writer", "neuron_disagg.transfer.receiver",
                "neuron_disagg.transfer.pull"),
+    # Ray Serve's side: it shapes legs and starts Ray, as the router routes; no rank's threads
+    "ray_serve": ("torch", "nixl", "neuron_disagg.transfer", "neuron_disagg.protocol", "neuron_disagg.platforms"),
 }
 
 
@@ -66,6 +68,12 @@ def test_only_the_vllm_package_imports_vllm():
     importers = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
                  if any(m.split(".")[0] == "vllm" for m in imports(p))}
     assert importers and all(p.startswith("neuron_disagg/vllm/") for p in importers), sorted(importers)
+
+
+def test_only_the_ray_serve_package_imports_ray():
+    importers = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                 if any(m.split(".")[0] == "ray" for m in imports(p))}
+    assert importers and all(p.startswith("neuron_disagg/ray_serve/") for p in importers), sorted(importers)
 
 
 def test_the_rule_catches_an_import_it_forbids(tmp_path, monkeypatch):

@@ -1,0 +1,161 @@
+"""Ray Serve LLM as the engine in front (issue 32): a real local Ray cluster (`neuron-disagg
+ray-serve`, Ray 2.60 on vLLM 0.29) serving P and D replicas with our connector through Ray's OpenAI
+app, push at /push (peer-bound, concurrent hand-off) and pull at /pull (sequential).
+
+Each answer is token-equal to a monolithic vLLM 0.29; the KV moved (our counters on the replicas,
+as Ray exports them); every replica's held blocks return to none; n > 1 and prompt lists work as
+through our router; and a P replica killed mid-request still yields the answer, D computing it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import time
+
+import httpx
+import pytest
+
+from neuron_disagg.demo import tiny_model
+from neuron_disagg.local_cluster import monolithic, free_port, stop_together
+
+from ..vllm_envs import extra_env
+from .ray_cluster import MODES, REPLICAS, RayCluster
+from .vllm_cluster import MAX_MODEL_LEN, PATIENT, TIMEOUTS, body, prompt, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    model = str(tiny_model.build())
+    mono = monolithic(model, free_port(), "0", python=extra_env("0.29.0").python, max_model_len=MAX_MODEL_LEN)
+    config = {**TIMEOUTS, "watchdog_s": PATIENT["watchdog_s"]}
+    ray = RayCluster(model, secrets.token_hex(32), config)
+    try:
+        ray.driver.start()
+        mono.start()
+        mono.wait_ready()
+        ray.driver.wait_ready()
+        yield ray, mono
+    finally:
+        stop_together([ray.driver, mono], timeout_s=60)
+
+
+def answers(url: str, bodies: list[dict], path: str = "/v1/completions") -> list[dict]:
+    async def send():
+        async with httpx.AsyncClient(timeout=180) as client:
+            return await asyncio.gather(*(client.post(url + path, json=b) for b in bodies))
+
+    out = asyncio.run(send())
+    assert all(r.status_code == 200 for r in out), [r.text for r in out]
+    return [r.json() for r in out]
+
+
+def texts(answer: dict) -> list[str]:
+    return [c.get("text", c.get("message", {}).get("content")) for c in answer["choices"]]
+
+
+def test_push_and_pull_through_ray_equal_monolithic_and_move_the_kv(ray_cluster):
+    ray, mono = ray_cluster
+    prompts = [prompt(40, 301), prompt(300, 302), prompt(120, 303)]
+    want = [texts(a) for a in answers(mono.url, [body(p, 16) for p in prompts])]
+    assert all(len(set(w[0])) > 4 for w in want), f"the tiny model must not repeat one token: {want}"
+    loaded = ray.total("neuron_disagg_transfers_total", "decode")
+    for mode in MODES:
+        got = [texts(a) for a in answers(ray.app_url(mode), [body(p, 16) for p in prompts])]
+        assert got == want, mode
+        streamed = _streamed(ray.app_url(mode), body(prompts[1], 16, stream=True))
+        assert streamed == want[1][0], mode
+    # Each of 2 modes x 4 requests moved its prompt's KV into a D replica (none recomputed).
+    wait_for(lambda: ray.total("neuron_disagg_transfers_total", "decode") >= loaded + 8, 60,
+             "D replicas counting 8 loaded transfers")
+    assert ray.total("neuron_disagg_recomputed_total", "decode") == 0
+    assert ray.total("neuron_disagg_params_rejected_total", "prefill") == 0
+    ray.held_blocks_back()
+
+
+def _streamed(url: str, request: dict) -> str:
+    import json
+
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json=request, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return "".join(text)
+
+
+def test_chat_n_and_prompt_lists_through_ray_as_through_our_router(ray_cluster):
+    ray, mono = ray_cluster
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt(60, 311)}], "temperature": 0,
+            "max_tokens": 12}
+    listed = body([prompt(30, 312), prompt(90, 313), prompt(30, 312)], 10)
+    sampled = body(prompt(50, 314), 10, n=3, temperature=0.8, seed=7)  # greedy refuses n > 1
+    want_chat = texts(answers(mono.url, [chat], "/v1/chat/completions")[0])
+    want_list, want_n = (texts(a) for a in answers(mono.url, [listed, sampled]))
+    replayed = ray.total("neuron_disagg_params_replayed_total", "prefill")
+    loaded = ray.total("neuron_disagg_transfers_total", "decode")
+    for mode in MODES:
+        url = ray.app_url(mode)
+        assert texts(answers(url, [chat], "/v1/chat/completions")[0]) == want_chat, mode
+        got_list, got_n = (texts(a) for a in answers(url, [listed, sampled]))
+        assert got_list == want_list and got_n == want_n, mode
+    assert ray.total("neuron_disagg_params_replayed_total", "prefill") == replayed  # siblings, not replays
+    # Per mode: chat 1, the list's 2 distinct prompts, the sampled prompt 1 (its 3 samples share it).
+    wait_for(lambda: ray.total("neuron_disagg_transfers_total", "decode") >= loaded + 8, 60,
+             "D replicas counting 8 loaded transfers")
+    ray.held_blocks_back()
+
+
+def test_p_replicas_killed_mid_request_still_yield_the_answer_and_ray_replaces_them(ray_cluster):
+    """Each mode's P replica, computing a long prompt, is killed (SIGKILL to its process group, as a
+    crashed host's): D computes the prompt itself (kv_load_failure_policy recompute) and the client
+    gets monolithic's answer. Ray starts a new P replica at the same side-channel address, and
+    the next requests move their KV again. Both modes at once: the replicas restart in parallel."""
+    ray, mono = ray_cluster
+    text = prompt(1500, 320)
+    want = texts(answers(mono.url, [body(text, 8)])[0])
+    victims = {mode: _p_replica_pids(ray, mode) for mode in MODES}
+    assert all(len(pids) == REPLICAS for pids in victims.values()), victims
+
+    async def kill_while_computing():
+        async with httpx.AsyncClient(timeout=300) as client:
+            requests = [asyncio.create_task(client.post(ray.app_url(mode) + "/v1/completions", json=body(text, 8)))
+                        for mode in MODES]
+            await asyncio.sleep(1.0)  # P is computing the 1,500-token prompt (seconds on one core)
+            for pid in (pid for pids in victims.values() for pid in pids):
+                os.killpg(pid, signal.SIGKILL)  # the replica with its engine: Ray gives each a process group
+            return await asyncio.gather(*requests)
+
+    for mode, r in zip(MODES, asyncio.run(kill_while_computing())):
+        assert r.status_code == 200, (mode, r.text)
+        assert texts(r.json()) == want, mode
+    for mode in MODES:
+        wait_for(lambda: _p_replica_pids(ray, mode) and not set(_p_replica_pids(ray, mode)) & set(victims[mode]),
+                 300, f"Ray starting a new {mode} P replica")
+    for mode in MODES:
+        wait_for(lambda: _serves(ray, mode), 300, f"the new {mode} P replica serving")
+    ray.held_blocks_back(120)
+
+
+def _serves(ray: RayCluster, mode: str) -> bool:
+    loaded = ray.total("neuron_disagg_transfers_total", "decode")
+    text = prompt(20, int(time.time()) % 1000)
+    try:
+        r = httpx.post(ray.app_url(mode) + "/v1/completions", json=body(text, 2), timeout=120)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    try:
+        wait_for(lambda: ray.total("neuron_disagg_transfers_total", "decode") > loaded, 30, "a transfer")
+    except AssertionError:
+        return False
+    return True
+
+
+def _p_replica_pids(ray: RayCluster, mode: str) -> list[int]:
+    return ray.replica_processes(f"neuron-disagg-{mode}:Prefill")
