@@ -36,7 +36,7 @@ PROCESS_FIXTURES = {"moto_url", "cluster", "routed", "ucx_peers", "fabric"}
 #: shared clusters of tests/integration/conftest.py), so it cannot go stale silently.
 VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
     "test_vllm_push", "test_hung_peers", "test_vllm_request_shapes", "test_router_restart",
-    "test_bench", "test_demo", "test_vllm_oldest")) + (
+    "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d")) + (
     "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
 #: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
 #: their own (0.24's monolithic, P and D), so at worst ten instances are up at once, about 17 GiB.
