@@ -34,7 +34,7 @@ from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, 
                    prefill_ms, read_connector, run, scratch_dir, step_quantile_us, thread_cpu_percent)
 from .preset import PRESETS, evaluate, rates_for
 from .rounds import measure_in_rounds
-from .topology import MODES, ServerSettings, groups, started
+from .topology import DEFAULT_MODES, MODES, ServerSettings, groups, started
 
 
 def _modes(text: str) -> list[str]:
@@ -50,7 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="a named workload and the goals the run is judged by: " + "; ".join(
                        f"{name}: {preset.about}" for name, preset in sorted(PRESETS.items())))
-    p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated (default {','.join(MODES)})")
+    p.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES),
+                   help=f"comma-separated, of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)}; the ray "
+                        "modes serve through Ray Serve LLM, from an environment with Ray installed)")
     p.add_argument("--rates", type=positive_list(float, "--rates"), default=[1.0, 2.0],
                    help="request rates, req/s (default 1,2)")
     p.add_argument("--p-busy", type=positive_list(float, "--p-busy"), default=[],

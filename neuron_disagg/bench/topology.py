@@ -5,6 +5,10 @@
 - vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
+- ray-push / ray-pull: our connector under Ray Serve LLM instead of our router (`neuron-disagg
+  ray-serve`: a local Ray cluster, P replicas on core 0 and D's on core 1, Ray's OpenAI app in
+  front), where Ray is installed (Ray 2.60 pins vLLM 0.29: run the bench from that environment so
+  every mode serves on one vLLM).
 
 One topology runs at a time (2 cores): the others are not started yet, or paused (``bench.rounds``).
 ``ServerSettings`` carries the vLLM flags shared by all of them, so every mode serves with identical
@@ -19,11 +23,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..local_cluster import (Instance, disaggregated, free_port, monolithic, reference, reference_engine_id,
-                             router, stop_together)
+from ..local_cluster import (Instance, disaggregated, free_port, monolithic, ray_serve, reference,
+                             reference_engine_id, router, stop_together)
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
-MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull")
+MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
+DEFAULT_MODES = MODES[:5]  # the ray modes need Ray installed: asked for by name
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
 
 
@@ -63,6 +68,9 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     if ours:
         out.append(ours)
     out += [(m,) for m in ("vllm-push", "vllm-pull") if m in modes]
+    ray = tuple(m for m in ("ray-push", "ray-pull") if m in modes)  # one Ray cluster serves both
+    if ray:
+        out.append(ray)
     return out
 
 
@@ -98,6 +106,14 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
     if group == ("monolithic",):
         mono = monolithic(server.model, free_port(), "0", **kw)
         return Running({"monolithic": mono.url}, [mono])
+    if group[0].startswith("ray-"):  # Ray's app in front: its own routing, nothing of ours to mark
+        if set(server.extra) - {"--no-enable-prefix-caching"}:
+            raise RuntimeError(f"the ray modes pass no other vLLM flags to Ray's engines yet (got {server.extra})")
+        ray = ray_serve(server.model, secrets.token_hex(32), modes=tuple(m.removeprefix("ray-") for m in group),
+                        max_model_len=server.max_model_len, kv_cache_bytes=server.kv_cache_bytes,
+                        block_size=server.block_size, dtype=server.dtype,
+                        prefix_caching="--no-enable-prefix-caching" not in server.extra)
+        return Running({m: ray.app_url(m.removeprefix("ray-")) for m in group}, [ray])
     p_side, d_side = free_port(), free_port()
     marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
     if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing

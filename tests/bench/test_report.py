@@ -102,6 +102,18 @@ def test_topologies_group_our_modes_and_run_the_reference_last():
     assert groups(["vllm-pull", "push", "monolithic", "pull"]) == [("monolithic",), ("push", "pull"), ("vllm-pull",)]
 
 
+def test_the_ray_modes_share_one_ray_cluster_and_are_asked_for_by_name():
+    assert groups(["ray-pull", "push", "ray-push"]) == [("push",), ("ray-push", "ray-pull")]
+    assert "ray-push" not in cli.parse([]).modes and cli.parse(["--modes", "push,ray-push"]).modes == ["push", "ray-push"]
+
+
+def test_the_ray_modes_refuse_vllm_flags_they_cannot_pass_on():
+    from neuron_disagg.bench.topology import ServerSettings, _build
+
+    with pytest.raises(RuntimeError, match="pass no other vLLM flags"):
+        _build(("ray-push",), ServerSettings("m", extra=("--no-enable-prefix-caching", "--tensor-parallel-size", "8")))
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--modes", "push,teleport"], "unknown mode"),
     (["--rates", "1,x"], "comma-separated"),
