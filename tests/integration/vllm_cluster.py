@@ -45,7 +45,8 @@ class Cluster:
         self.signer = ParamsSigner(self.secret.encode())  # signs kv_transfer_params as the router does
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
         on = {"timeline_dir": self.timeline_dir}
-        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on})
+        # P also takes llm-d's sidecar legs (test_llm_d.py); nothing else sends it unsigned ones.
+        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, "accept_unsigned_prefill_legs": True})
         # The landing wait at the config's bound, so that an idle D's steps catch every landing they
         # can (at the default 2 ms about half of them here) and the metrics test can see one.
         self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on, "landing_wait_s": 0.1})
