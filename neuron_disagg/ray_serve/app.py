@@ -45,7 +45,9 @@ def llm_config(role: str, model: str, model_id: str, config: Config, *, replicas
     out = {
         "model_loading_config": {"model_id": model_id, "model_source": model},
         "engine_kwargs": {**engine_kwargs, "kv_transfer_config": vllm_serve.kv_transfer_config(role, config)},
-        "deployment_config": {"num_replicas": replicas, **deployment_config},
+        # Ray refuses a fixed replica count beside autoscaling: the autoscaling config then decides
+        "deployment_config": ({} if "autoscaling_config" in deployment_config else {"num_replicas": replicas})
+                             | deployment_config,
         "runtime_env": {"env_vars": env},
     }
     if cpu_only:

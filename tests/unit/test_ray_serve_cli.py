@@ -62,3 +62,12 @@ def test_each_roles_ray_config_carries_the_connector_config_serve_would_give_vll
     assert transfer["kv_connector_extra_config"] == {"mode": "pull", "side_channel_host": "127.0.0.1", "lease_s": 12.0}
     assert prefill["deployment_config"] == {"num_replicas": 2} and prefill["runtime_env"] == {"env_vars": {"A": "1"}}
     assert prefill["placement_group_config"] == {"bundles": [{"CPU": 1}]}
+
+
+def test_autoscaling_takes_the_place_of_a_fixed_replica_count():
+    from neuron_disagg.config import Config
+
+    scaling = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
+    decode = app.llm_config("decode", MODEL, "tiny", Config(), replicas=2, engine_kwargs={}, env={},
+                            deployment_config=scaling, cpu_only=False)
+    assert decode["deployment_config"] == scaling and "placement_group_config" not in decode
