@@ -44,7 +44,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Keep no copy of what pip downloads (several GB across the three vLLM environments).
 export PIP_NO_CACHE_DIR=1
 py=$VENV/bin/python
-RAY_LLM_EXTRAS="jsonschema typer pyarrow pandas fsspec"
+ray_llm_extras=(jsonschema typer pyarrow pandas fsspec)
 pip_install() { "$py" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 check() {
   "$py" - "$VERSION" <<'PY'
@@ -112,7 +112,7 @@ pip_install --no-warn-conflicts -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=
 # test_ray_serve.py). ray[llm] itself would pull PyPI's CUDA vllm and an older NIXL over ours, so
 # ray[serve] goes in with the few packages of the llm extra that Ray's LLM serving imports.
 case "$VERSION" in
-  0.29.*) pip_install --no-warn-conflicts "ray[serve]==2.60.0" $RAY_LLM_EXTRAS ;;
+  0.29.*) pip_install --no-warn-conflicts "ray[serve]==2.60.0" "${ray_llm_extras[@]}" ;;
 esac
 # As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2> /dev/null || true

@@ -40,7 +40,7 @@ def ray_cluster():
         ray.driver.wait_ready()
         yield ray, mono
     finally:
-        stop_together([ray.driver, mono], timeout_s=60)
+        stop_together([ray.driver, mono], timeout_s=15)  # then SIGKILL, replicas' groups too: Ray's own shutdown takes ~40 s
 
 
 def answers(url: str, bodies: list[dict], path: str = "/v1/completions") -> list[dict]:
