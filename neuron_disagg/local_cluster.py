@@ -71,13 +71,17 @@ class Instance:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}; last log lines:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self.ready():
+                return self
             time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s} s; last log lines:\n{self.tail()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s; last log lines:\n{self.tail()}")
+
+    def ready(self) -> bool:
+        """Whether it serves now: vLLM's /health answers 200."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def tail(self, lines: int = 30) -> str:
         """The log's last lines, preceded by its error lines: an engine that fails to start ends its
@@ -176,16 +180,12 @@ class RayServeInstance(Instance):
     metrics_port: int = 0  # where Ray exports every replica's metrics
 
     def wait_ready(self, timeout_s: float = 600) -> "RayServeInstance":
+        return super().wait_ready(timeout_s)
+
+    def ready(self) -> bool:
         from .ray_serve.app import READY_LINE
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ray-serve exited with {self.process.returncode}; last log lines:\n{self.tail()}")
-            if READY_LINE in self.log_path.read_text(errors="replace"):
-                return self
-            time.sleep(1)
-        raise TimeoutError(f"ray-serve not serving after {timeout_s} s; last log lines:\n{self.tail()}")
+        return READY_LINE in self.log_path.read_text(errors="replace")
 
     def app_url(self, mode: str) -> str:
         return f"{self.url}/{mode}"

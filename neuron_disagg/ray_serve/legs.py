@@ -14,13 +14,10 @@ from typing import Any, Literal
 
 from .. import kv_params
 from ..kv_params import ParamsSigner
-from ..router.requests import distinct_prompts
+from ..router.requests import PREFILL_DROPS, PREFILL_SETS, distinct_prompts
 
 #: What a P replica publishes in Ray's ``replica_metadata``, under this one key.
 PEER_KEY = "neuron_disagg"
-#: P computes each prompt once and answers one token; what D samples stays with D.
-_PREFILL_ONLY = (("max_tokens", 1), ("max_completion_tokens", 1), ("stream", False), ("stream_options", None),
-                 ("n", 1), ("best_of", None), ("min_tokens", 0))
 
 
 def peer_metadata(side_channel: str, tp: int) -> dict[str, Any]:
@@ -46,9 +43,15 @@ def prompt_count(request) -> int:
 def prefill_legs(request, mode: Literal["push", "pull"], signer: ParamsSigner) -> list:
     leg = request.model_copy(deep=True)
     fields = type(leg).model_fields
-    for name, value in _PREFILL_ONLY:
-        if name in fields and (name != "max_completion_tokens" or getattr(leg, name) is not None):
-            setattr(leg, name, value)
+    # P's leg as our router shapes it (router.requests): on a request model, a dropped field
+    # goes back to its default.
+    for name in PREFILL_DROPS:
+        if name in fields:
+            setattr(leg, name, fields[name].default)
+    for name, value in PREFILL_SETS.items():
+        setattr(leg, name, value)
+    if getattr(leg, "max_completion_tokens", None) is not None:
+        leg.max_completion_tokens = 1
     leg.kv_transfer_params = kv_params.prefill(signer, mode, transfer_id(request), prompt_count(request))
     prompts = _prompts(request) if mode == "pull" else None
     return [leg] if prompts is None else [leg.model_copy(update={"prompt": p}) for p in prompts]

@@ -19,8 +19,12 @@ from .settings import MODES, Mode
 
 # P's answer is discarded, so P generates one token and does not stream; options that only make
 # sense with streaming or with more tokens would make vLLM refuse P's leg. P computes each prompt
-# once whatever D samples from it: n and best_of stay with D.
-_PREFILL_DROPS = ("stream_options", "min_tokens", "n", "best_of")
+# once whatever D samples from it: n and best_of stay with D. (The Ray backend shapes its legs
+# from these too.)
+PREFILL_DROPS = ("stream_options", "min_tokens", "n", "best_of")
+#: What P's leg sets; and max_completion_tokens to 1 where the client gave it (vLLM prefers it
+#: over max_tokens for chat).
+PREFILL_SETS = {"max_tokens": 1, "stream": False}
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,9 @@ def require_signer(signer: ParamsSigner | None) -> ParamsSigner:
 
 
 def prefill_body(req: ClientRequest, mode: Mode, transfer_id: str, signer: ParamsSigner | None) -> dict[str, Any]:
-    body = {k: v for k, v in req.body.items() if k not in _PREFILL_DROPS}
-    body.update(max_tokens=1, stream=False)
-    if "max_completion_tokens" in body:  # vLLM prefers it over max_tokens for chat
+    body = {k: v for k, v in req.body.items() if k not in PREFILL_DROPS}
+    body.update(PREFILL_SETS)
+    if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     if mode.startswith("vllm-"):  # vLLM's connectors match P and D by the X-Request-Id header
         body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
