@@ -108,7 +108,9 @@ async def test_concurrent_streams_in_process_no_leaks():
     sockets_before, tasks_before = _socket_fds(), _tasks()
     client = _client()
     try:
-        async with cluster(prefill=2, decode=2, mode="push") as c:
+        # A burst opens hundreds of connections at once: on a machine busy with other tests (CI's
+        # other worker) the fixture's 2 s connect timeout failed P's legs of the warm-up burst.
+        async with cluster(prefill=2, decode=2, mode="push", connect_timeout_s=30.0) as c:
             for d in c.decodes:
                 d.chunks, d.wait_for_kv = CHUNKS, False
             routed_url, direct_url = c.url + "/v1/completions", c.decodes[0].url + "/v1/completions"
