@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,9 @@ BACKEND = "neuron_disagg.ray_serve.backend:NeuronDisaggBackend"
 READY_LINE = "ray-serve: serving"
 #: Side-channel ports of the second, third ... application (``--modes``) sit this far apart.
 APP_PORT_STRIDE = 1000
+#: Ray 2.60 (ray/_private/services.py, get_node_ip_address): "0" makes a local node's address
+#: 127.0.0.1, and its gRPC servers then bind loopback only (Ray's GrpcServer binds 0.0.0.0 otherwise).
+LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def register() -> None:
@@ -163,6 +167,15 @@ def main(argv: list[str]) -> int:
         print(f"neuron-disagg ray-serve: {exc}", file=sys.stderr)
         return 2
 
+    if not args.address:
+        # A cluster of our own, on this host alone: Ray's daemons and workers listen on the node's
+        # address, which Ray takes from the default route unless this (read when ray is imported)
+        # makes it 127.0.0.1; vLLM's engines in the replicas likewise. The HTTP proxy listens
+        # where --host says.
+        os.environ.setdefault(LOOPBACK_NODE_ENV, "0")
+        for env in (prefill_env, decode_env):  # and the sockets between an engine's processes
+            env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # torch.distributed's, under Ray's node name
     try:
         import ray
         from ray import serve

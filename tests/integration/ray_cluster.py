@@ -64,16 +64,25 @@ class RayCluster:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; last seen: {last}") from None
 
+    def listeners(self) -> list[tuple[str, int, str]]:
+        """(address, port, process title) of every TCP socket the cluster's processes listen on."""
+        import psutil
+
+        titles = {pid: _title(pid) for pid, _ in descendants(self.driver.process.pid)}
+        return [(c.laddr.ip, c.laddr.port, titles[c.pid]) for c in psutil.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.pid in titles]
+
     def replica_processes(self, deployment: str) -> list[int]:
         """The worker processes of the replicas of ``deployment`` ("neuron-disagg-push:Prefill", ...):
         Ray names each after its actor, ``ray::ServeReplica:<application>:<deployment>:...``."""
-        out = []
-        for pid, _ in descendants(self.driver.process.pid):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            except OSError:
-                continue
-            if title.startswith(f"ray::ServeReplica:{deployment}:"):
-                out.append(pid)
-        return out
+        return [pid for pid, _ in descendants(self.driver.process.pid)
+                if _title(pid).startswith(f"ray::ServeReplica:{deployment}:")]
+
+
+def _title(pid: int) -> str:
+    """A process's title (Ray's workers rename themselves after their actor); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
 

@@ -43,6 +43,21 @@ def ray_cluster():
         stop_together([ray.driver, mono], timeout_s=15)  # then SIGKILL, replicas' groups too: Ray's own shutdown takes ~40 s
 
 
+def test_the_cluster_listens_on_loopback_only_but_where_ray_hard_codes_every_interface(ray_cluster):
+    """This machine's rule, and what a single-node user expects: a local cluster's daemons, its
+    workers and the vLLM engines in its replicas listen on 127.0.0.1 alone (by default Ray and vLLM
+    bind the node's address: neuron_disagg.ray_serve.app makes both loopback). Ray 2.60 hard-codes
+    one exception: each Serve replica's gRPC server, for calls between deployments, binds every
+    interface ("[::]:0", ray/serve/_private/replica.py), behind Ray's token authentication."""
+    ray, _ = ray_cluster
+    listening = ray.listeners()
+    for process in ("gcs_server", "raylet", "ray::ServeReplica:", "VLLM::Worker"):
+        assert any(process in title for _, _, title in listening), f"no {process} seen listening: {listening}"
+    wide = [(ip, port, title) for ip, port, title in listening if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+            and not (ip == "::" and title.startswith("ray::ServeReplica:"))]
+    assert not wide, f"listening beyond loopback: {wide}"
+
+
 def answers(url: str, bodies: list[dict], path: str = "/v1/completions") -> list[dict]:
     async def send():
         async with httpx.AsyncClient(timeout=180) as client:
