@@ -227,11 +227,12 @@ def descendants(root: int) -> list[tuple[int, int]]:
 def ray_serve(model: str, secret: str, config: dict | None = None, *, modes: tuple[str, ...] = ("push", "pull"),
               replicas: int = 1, python: str = sys.executable, max_model_len: int = 2048,
               kv_cache_bytes: int = 256 << 20, block_size: int = 32, dtype: str = CPU_DTYPE,
-              prefix_caching: bool = True) -> RayServeInstance:
+              prefix_caching: bool = True, env: dict | None = None) -> RayServeInstance:
     """P and D replicas of ``model`` under Ray Serve LLM with our connector, one application per
     mode at ``/<mode>``; P's replicas compute on core 0 and D's on core 1, as our instances do.
     ``config``: our config, its side channel on 127.0.0.1 at a free port unless it names one.
-    Every replica's metrics, ours included, are at ``metrics_port``."""
+    Every replica's metrics, ours included, are at ``metrics_port``. ``env``: added to the
+    driver's environment, which the cluster's processes inherit."""
     from .ray_serve.app import APP_PORT_STRIDE
 
     config = {"side_channel_host": "127.0.0.1", "side_channel_port": free_port(), **(config or {})}
@@ -248,7 +249,7 @@ def ray_serve(model: str, secret: str, config: dict | None = None, *, modes: tup
                "--prefill-env", "VLLM_CPU_OMP_THREADS_BIND=0", "--decode-env", "VLLM_CPU_OMP_THREADS_BIND=1",
                "--num-cpus", str(16 * replicas), "--port", str(port), "--metrics-export-port", str(metrics_port)]
     return RayServeInstance("ray-serve", command, port, "0-1", log_path=directory / "ray-serve.log",
-                            env={Config().secret_env: secret, "RAY_USAGE_STATS_ENABLED": "0"},
+                            env={**(env or {}), Config().secret_env: secret, "RAY_USAGE_STATS_ENABLED": "0"},
                             metrics_port=metrics_port)
 
 

@@ -25,10 +25,6 @@ from pathlib import Path
 import pytest
 
 FAST_TIMEOUT_S = 30
-# Servers here listen on 127.0.0.1 only. UCX's TCP transport (NIXL's UCX backend, in every P, D and
-# transfer peer the tests start, which inherit this) otherwise listens on each network device but
-# loopback; here every transfer is between processes of one host, which UCX makes over cma/shm.
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
 INTEGRATION = Path(__file__).parent / "integration"
 #: Fixtures that start processes (moto's server, vLLM servers, NIXL peers): a test using one is an
 #: integration test wherever it lives (a session fixture starts before this module's guard).
@@ -42,13 +38,10 @@ VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
     "test_vllm_push", "test_hung_peers", "test_vllm_request_shapes", "test_router_restart",
     "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d")) + (
     "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
-#: Of those, the ones that may run in the other worker, beside the clusters or Ray's: a few
-#: instances of their own, one module at a time (0.24's three; the demo's and the local example's
-#: P and D), so the peak stays that of Ray's engines beside 0.24's (21.7 GiB, docs/testing.md).
-#: Without them the servers' worker is the suite's critical path (1,696 s against 1,319 with only
-#: 0.24's module here).
-BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::", "tests/integration/test_demo.py::",
-                       "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router")
+#: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
+#: their own (0.24's monolithic, P and D), so at worst ten instances are up at once, about 17 GiB.
+#: Without them the servers' worker was the suite's critical path (1,361 s against 1,086).
+BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,8 +65,7 @@ def _uses_shared_cluster(item) -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """The README's full suite runs in two pytest-xdist workers. Every test that starts vLLM servers
-    runs in one of them (but ``BESIDE_THE_CLUSTERS``, a unit of their own that either worker may
-    take, so they run one after another), so that one set of servers is up at a time: a
+    runs in one of them (but ``BESIDE_THE_CLUSTERS``), so that one set of servers is up at a time: a
     cluster and its spares are seven instances of about 1.7 GB each, and two such sets at once came
     within 1 GB of this machine's 24 GiB. Every other module's tests run together in either (they
     may share module fixtures). The largest unit, the servers' tests, starts first (xdist orders units by size)."""
@@ -81,9 +73,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class VllmServersInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith(BESIDE_THE_CLUSTERS):  # one after another, wherever they run
-                return "vllm-servers-beside"
-            return "vllm-servers" if nodeid.startswith(VLLM_SERVER_TESTS) else nodeid.split("::", 1)[0]
+            together = nodeid.startswith(VLLM_SERVER_TESTS) and not nodeid.startswith(BESIDE_THE_CLUSTERS)
+            return "vllm-servers" if together else nodeid.split("::", 1)[0]
 
     return VllmServersInOneWorker(config, log)
 

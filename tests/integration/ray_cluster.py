@@ -22,8 +22,11 @@ MODES = ("push", "pull")
 
 class RayCluster:
     def __init__(self, model: str, secret: str, config: dict, replicas: int = REPLICAS):
+        # UCX's TCP transport (NIXL's, in every engine) listens on each network device but loopback
+        # unless told otherwise; here P and D share one host, where UCX moves the KV over cma/shm.
         self.driver: RayServeInstance = ray_serve(model, secret, config, modes=MODES, replicas=replicas,
-                                                  python=extra_env("0.29.0").python)
+                                                  python=extra_env("0.29.0").python,
+                                                  env={"UCX_NET_DEVICES": "lo"})
         self.metrics_port = self.driver.metrics_port
 
     def app_url(self, mode: str) -> str:
