@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -111,8 +112,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # SIGTERM (a supervisor's, a test's timeout) unwinds like an error, so every instance started
+    # is stopped: each runs in a session of its own, which killing the bench alone would orphan.
+    signal.signal(signal.SIGTERM, _terminated)
     preset = PRESETS.get(args.preset)
     if min(args.prompts, args.output_len, args.tp, args.rounds) < 1:
         parser().error("--prompts, --output-len, --tp and --rounds must be at least 1")

@@ -21,10 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
 
 def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     out = tmp_path / "results"
-    run = subprocess.run([sys.executable, "-m", "neuron_disagg.cli", "bench", "--modes", "push,vllm-push",
-                          "--rates", "4", "--prompts", "4", "--input-lens", "128", "--output-len", "8",
-                          "--no-warmup", "--rounds", "2", "--idle-seconds", "1", "--results", str(out)],
-                         capture_output=True, text=True, timeout=900)
+    run = _bench(["--modes", "push,vllm-push", "--rates", "4", "--prompts", "4", "--input-lens", "128",
+                  "--output-len", "8", "--no-warmup", "--rounds", "2", "--idle-seconds", "1", "--results", str(out)])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     written = json.loads((out / "results.json").read_text())
     runs = {r["mode"]: r for r in written["runs"]}
@@ -50,3 +48,19 @@ def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):
     assert written["meta"].get("drift") in (None, []) and written["meta"]["rounds"] == 2  # rounds, not drift
     idle = written["meta"]["idle_cpu_percent"]  # over 1 s here (10 by default): measured, not judged
     assert set(idle) == {"push", "vllm-push"} and all(idle.values()), idle
+
+
+def _bench(args: list[str], timeout_s: float = 500) -> subprocess.CompletedProcess:
+    """The bench, stopped with SIGTERM if it outlives ``timeout_s`` (before pytest's own timeout
+    kills this test and, with it, the bench): it then stops the vLLM servers it started, each in a
+    session of its own. Killed, it left them serving — two with NIXL progress threads spinning —
+    and starved every test after it of CPU."""
+    bench = subprocess.Popen([sys.executable, "-m", "neuron_disagg.cli", "bench", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = bench.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        bench.terminate()
+        out, err = bench.communicate(timeout=60)  # its instances get 20 s each to stop, together
+        raise AssertionError(f"the bench took over {timeout_s} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(bench.args, bench.returncode, out, err)
