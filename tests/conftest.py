@@ -25,6 +25,11 @@ from pathlib import Path
 import pytest
 
 FAST_TIMEOUT_S = 30
+# The processes the suite starts (vLLM's, Ray's, NIXL peers, pytest in the other environments:
+# hundreds) write the bytecode of what they import, even where the machine sets
+# PYTHONDONTWRITEBYTECODE: set-up byte-compiles ./.venv only (scripts/setup.sh), and without this
+# every process started from another environment would compile its imports again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 INTEGRATION = Path(__file__).parent / "integration"
 #: Fixtures that start processes (moto's server, vLLM servers, NIXL peers): a test using one is an
 #: integration test wherever it lives (a session fixture starts before this module's guard).
