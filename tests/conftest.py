@@ -25,10 +25,9 @@ from pathlib import Path
 import pytest
 
 FAST_TIMEOUT_S = 30
-# The processes the suite starts (vLLM's, Ray's, NIXL peers, pytest in the other environments:
-# hundreds) write the bytecode of what they import, even where the machine sets
-# PYTHONDONTWRITEBYTECODE: set-up byte-compiles ./.venv only (scripts/setup.sh), and without this
-# every process started from another environment would compile its imports again.
+# The processes the suite starts (vLLM's, Ray's, NIXL peers: hundreds) write the bytecode of what
+# they import from outside the environments (this package, editable; the tests), which set-up
+# byte-compiled, even where the machine sets PYTHONDONTWRITEBYTECODE.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 INTEGRATION = Path(__file__).parent / "integration"
 #: Fixtures that start processes (moto's server, vLLM servers, NIXL peers): a test using one is an
@@ -47,6 +46,8 @@ VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
 #: their own (0.24's monolithic, P and D), so at worst ten instances are up at once, about 17 GiB.
 #: Without them the servers' worker was the suite's critical path (1,361 s against 1,086).
 BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::",)
+#: The shared clusters' parameters (tests/integration/conftest.py), in the order they run.
+CLUSTER_ORDER = ("main", "0.29.0")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,6 +61,29 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(
                 f"{item.nodeid} {'starts' if starts_servers else 'starts no'} vLLM servers, but "
                 f"tests/conftest.py's VLLM_SERVER_TESTS says otherwise: update the list")
+
+
+class OneClusterAtATime:
+    """Runs the tests of each shared cluster (tests/integration/conftest.py's ``cluster``, one per
+    vLLM version) together, after every other test, so each cluster starts once. pytest's own
+    reordering interleaved them across modules (the 0.32 cluster, then 0.29's, then 0.32's again
+    and 0.29's again: six vLLM starts too many, about 300 s of CPU), and Ray's cluster ran while
+    0.29's was up."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest's reordering by fixture parameters
+    def pytest_collection_modifyitems(self, items):
+        items[:] = sorted(items, key=self._cluster_rank)  # stable: each group keeps its order
+
+    @staticmethod
+    def _cluster_rank(item) -> int:
+        if not _uses_shared_cluster(item):
+            return 0
+        version = item.callspec.getparam("cluster") if hasattr(item, "callspec") else None
+        return 1 + CLUSTER_ORDER.index(version) if version in CLUSTER_ORDER else len(CLUSTER_ORDER) + 1
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(OneClusterAtATime(), "one-cluster-at-a-time")
 
 
 def _uses_shared_cluster(item) -> bool:
