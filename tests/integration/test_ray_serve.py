@@ -12,7 +12,6 @@ import asyncio
 import os
 import secrets
 import signal
-import time
 
 import httpx
 import pytest
@@ -125,11 +124,14 @@ def test_chat_n_and_prompt_lists_through_ray_as_through_our_router(ray_cluster):
     ray.held_blocks_back()
 
 
-def test_p_replicas_killed_mid_request_still_yield_the_answer_and_ray_replaces_them(ray_cluster):
+def test_p_replicas_killed_mid_request_still_yield_the_answer(ray_cluster):
     """Each mode's P replica, computing a long prompt, is killed (SIGKILL to its process group, as a
-    crashed host's): D computes the prompt itself (kv_load_failure_policy recompute) and the client
-    gets monolithic's answer. Ray starts a new P replica at the same side-channel address, and
-    the next requests move their KV again. Both modes at once: the replicas restart in parallel."""
+    crashed host's): the client still gets monolithic's answer (D computes what did not arrive), and
+    no replica holds a block after. Ray then starts new P replicas; the
+    test does not wait for them (two vLLM starts, about 80 s of the suite's critical path): that a D
+    reaches a P restarted at the same side-channel address is tested on real processes in
+    test_upstream_restarts.py and tests/transfer/test_side_channel.py. Last in this module: the
+    fixture then stops the cluster, restarting replicas included."""
     ray, mono = ray_cluster
     text = prompt(1500, 320)
     want = texts(answers(mono.url, [body(text, 8)])[0])
@@ -148,28 +150,7 @@ def test_p_replicas_killed_mid_request_still_yield_the_answer_and_ray_replaces_t
     for mode, r in zip(MODES, asyncio.run(kill_while_computing())):
         assert r.status_code == 200, (mode, r.text)
         assert texts(r.json()) == want, mode
-    for mode in MODES:
-        wait_for(lambda: _p_replica_pids(ray, mode) and not set(_p_replica_pids(ray, mode)) & set(victims[mode]),
-                 300, f"Ray starting a new {mode} P replica")
-    for mode in MODES:
-        wait_for(lambda: _serves(ray, mode), 300, f"the new {mode} P replica serving")
     ray.held_blocks_back(120)
-
-
-def _serves(ray: RayCluster, mode: str) -> bool:
-    loaded = ray.total("neuron_disagg_transfers_total", "decode")
-    text = prompt(20, int(time.time()) % 1000)
-    try:
-        r = httpx.post(ray.app_url(mode) + "/v1/completions", json=body(text, 2), timeout=120)
-    except httpx.HTTPError:
-        return False
-    if r.status_code != 200:
-        return False
-    try:
-        wait_for(lambda: ray.total("neuron_disagg_transfers_total", "decode") > loaded, 30, "a transfer")
-    except AssertionError:
-        return False
-    return True
 
 
 def _p_replica_pids(ray: RayCluster, mode: str) -> list[int]:
