@@ -1,7 +1,8 @@
-"""vLLM 0.24.0 — the Neuron plugin of SDK 2.32 runs on it — end to end: its own monolithic, P and D
-servers (from the environment set-up builds, tests/vllm_envs.py), push legs sent directly, push and
-pull through the router; every answer token-equal to its monolithic server, and P's and D's held
-blocks back to none. (0.29 and 0.32 run the whole of test_vllm_push.py.)"""
+"""vLLM 0.24.0 — the Neuron plugin of SDK 2.32 runs on it — end to end: its P and D servers (from
+the environment set-up builds, tests/vllm_envs.py), push legs sent directly, push and pull through
+the router; every answer token-equal to D computing the prompt alone (under a cache salt, so none
+of the KV it was sent: one 0.24 start fewer than a monolithic server of its own), and P's and D's
+held blocks back to none. (0.29 and 0.32 run the whole of test_vllm_push.py against monolithic.)"""
 
 from __future__ import annotations
 
@@ -20,18 +21,18 @@ VERSION = "0.24.0"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with running(extra_env(VERSION)) as c:
+    with running(extra_env(VERSION), reference_from_decode=True) as c:
         yield c
 
 
-def test_push_legs_sent_directly_equal_monolithic(cluster):
+def test_push_legs_sent_directly_equal_d_alone(cluster):
     want, got = run(_compare(cluster, [prompt(3, 81), prompt(70, 82), prompt(400, 83)]))
     assert all(len(set(w)) > 4 for w in want), f"the tiny model must not repeat one token: {want}"
     assert got == want
     blocks_back(cluster)
 
 
-def test_push_and_pull_through_the_router_equal_monolithic(cluster):
+def test_push_and_pull_through_the_router_equal_d_alone(cluster):
     texts = [prompt(45, 84), prompt(260, 85)]
 
     async def scenario(url):

@@ -37,10 +37,15 @@ WORDS = ("river mountain ocean forest city music garden window morning evening s
 
 
 class Cluster:
-    def __init__(self, model, env: VllmEnv):
+    """``reference_from_decode``: no monolithic server of its own; D computes each reference answer
+    alone, under a cache salt that keeps the KV it was sent out of it (as the demo does). One vLLM
+    start fewer, for a version that only a few tests run on."""
+
+    def __init__(self, model, env: VllmEnv, reference_from_decode: bool = False):
         self.model, self.env = model, env
         self.p_side = free_port()
-        self.mono = monolithic(model, free_port(), "0", python=env.python, max_model_len=MAX_MODEL_LEN)
+        self.mono = None if reference_from_decode else monolithic(
+            model, free_port(), "0", python=env.python, max_model_len=MAX_MODEL_LEN)
         self.secret = secrets.token_hex(32)
         self.signer = ParamsSigner(self.secret.encode())  # signs kv_transfer_params as the router does
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
@@ -57,13 +62,13 @@ class Cluster:
                              python=self.env.python, max_model_len=MAX_MODEL_LEN, **kwargs)
 
     def all(self):
-        return (self.mono, self.p, self.d)
+        return tuple(i for i in (self.mono, self.p, self.d) if i is not None)
 
 
 @contextlib.contextmanager
-def running(env: VllmEnv):
+def running(env: VllmEnv, reference_from_decode: bool = False):
     """A started cluster of ``env``'s vLLM with the tiny model, stopped on exit."""
-    c = Cluster(str(tiny_model.build()), env)
+    c = Cluster(str(tiny_model.build()), env, reference_from_decode)
     try:
         for instance in c.all():
             instance.start()
@@ -115,7 +120,11 @@ async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: 
 
 
 async def reference(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
-    r = await client.post(f"{c.mono.url}/v1/completions", json=body(text, max_tokens))
+    if c.mono is None:
+        request = body(text, max_tokens, cache_salt=f"reference-{next_id()}-{time.monotonic_ns()}")
+        r = await client.post(f"{c.d.url}/v1/completions", json=request)
+    else:
+        r = await client.post(f"{c.mono.url}/v1/completions", json=body(text, max_tokens))
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
