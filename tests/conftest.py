@@ -43,7 +43,7 @@ VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
     "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d")) + (
     "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
 #: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
-#: their own (0.24's P and D), so at worst nine instances are up at once, about 15 GiB.
+#: their own (0.24's P and D), so at worst eight instances are up at once (measured peak 14.6 GiB).
 #: Without them the servers' worker was the suite's critical path (1,361 s against 1,086).
 BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::",)
 #: The shared clusters' parameters (tests/integration/conftest.py), in the order they run.
