@@ -15,8 +15,8 @@ if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
     echo "setup.sh: warning: ${free_gb} GB free under $PWD; a first set-up needs about 12 GB" >&2
   fi
 fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# Every environment is installed by uv, configured as pip is here (scripts/uv.sh says why).
+# Every environment is installed by uv, configured as pip is here (scripts/uv.sh says why);
+# ensure_uv makes ./.venv, with uv in it.
 source scripts/uv.sh
 ensure_uv
 # Everything but ./.venv starts at once, in the background, each job's lines prefixed with its

