@@ -29,6 +29,12 @@ from .config import Config
 #: float32 checkpoint into bf16 under --dtype auto). float32 takes the vector kernels on every x86 CPU.
 CPU_DTYPE = "float32"
 
+#: Every instance here is on this host, and so is its peer: NIXL's UCX TCP transport would
+#: otherwise listen on every network device but loopback (measured: the host's address, in every
+#: vLLM worker), where on one host UCX moves the KV over cma/shm anyway. A value in the
+#: environment wins (a user who wants the fabric's devices sets it).
+LOOPBACK_FABRIC = {"UCX_NET_DEVICES": "lo"}
+
 
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
               block_size: int = 32, dtype: str = CPU_DTYPE, extra: tuple[str, ...] = ()) -> list[str]:
@@ -59,7 +65,7 @@ class Instance:
 
     def start(self) -> "Instance":
         self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
+        env = {**LOOPBACK_FABRIC, **os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
         self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
         if self.pin_every_process:  # set right away: the server imports for seconds before its first child

@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from ..config import Config, ConfigError
+from ..local_cluster import LOOPBACK_FABRIC
 from ..vllm import serve as vllm_serve
 
 CONNECTOR = "NeuronDisaggConnector"
@@ -171,8 +172,10 @@ def main(argv: list[str]) -> int:
         # A cluster of our own, on this host alone: Ray's daemons and workers listen on the node's
         # address, which Ray takes from the default route unless this (read when ray is imported)
         # makes it 127.0.0.1; vLLM's engines in the replicas likewise. The HTTP proxy listens
-        # where --host says.
+        # where --host says. NIXL's UCX TCP transport in each engine, which inherits this
+        # environment, would listen on every network device but loopback.
         os.environ.setdefault(LOOPBACK_NODE_ENV, "0")
+        os.environ.update({k: v for k, v in LOOPBACK_FABRIC.items() if k not in os.environ})
         for env in (prefill_env, decode_env):  # and the sockets between an engine's processes
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # torch.distributed's, under Ray's node name

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import httpx
 
 from neuron_disagg.local_cluster import RayServeInstance, descendants, ray_serve
 
 from ..vllm_envs import extra_env
-from .vllm_cluster import wait_for
+from .vllm_cluster import listening, title, wait_for
 
 #: Replicas per role and mode (NEURON_DISAGG_RAY_REPLICAS=2 for a 2P2D run by hand: 8 engines, ~21 GB).
 REPLICAS = int(os.environ.get("NEURON_DISAGG_RAY_REPLICAS", "1"))
@@ -22,11 +21,8 @@ MODES = ("push", "pull")
 
 class RayCluster:
     def __init__(self, model: str, secret: str, config: dict, replicas: int = REPLICAS):
-        # UCX's TCP transport (NIXL's, in every engine) listens on each network device but loopback
-        # unless told otherwise; here P and D share one host, where UCX moves the KV over cma/shm.
         self.driver: RayServeInstance = ray_serve(model, secret, config, modes=MODES, replicas=replicas,
-                                                  python=extra_env("0.29.0").python,
-                                                  env={"UCX_NET_DEVICES": "lo"})
+                                                  python=extra_env("0.29.0").python)
         self.metrics_port = self.driver.metrics_port
 
     def app_url(self, mode: str) -> str:
@@ -69,23 +65,10 @@ class RayCluster:
 
     def listeners(self) -> list[tuple[str, int, str]]:
         """(address, port, process title) of every TCP socket the cluster's processes listen on."""
-        import psutil
-
-        titles = {pid: _title(pid) for pid, _ in descendants(self.driver.process.pid)}
-        return [(c.laddr.ip, c.laddr.port, titles[c.pid]) for c in psutil.net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN and c.pid in titles]
+        return listening(self.driver.process.pid)
 
     def replica_processes(self, deployment: str) -> list[int]:
         """The worker processes of the replicas of ``deployment`` ("neuron-disagg-push:Prefill", ...):
         Ray names each after its actor, ``ray::ServeReplica:<application>:<deployment>:...``."""
         return [pid for pid, _ in descendants(self.driver.process.pid)
-                if _title(pid).startswith(f"ray::ServeReplica:{deployment}:")]
-
-
-def _title(pid: int) -> str:
-    """A process's title (Ray's workers rename themselves after their actor); "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
-
+                if title(pid).startswith(f"ray::ServeReplica:{deployment}:")]

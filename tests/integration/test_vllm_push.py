@@ -439,6 +439,19 @@ def test_a_registration_that_came_first_is_planned_and_built_during_the_last_for
     blocks_back(cluster)
 
 
+def test_every_process_of_the_cluster_listens_on_loopback_only(cluster):
+    """This machine's rule, and what a user of the demo or the bench expects of instances that only
+    talk to each other: every socket of the API servers, engine cores and workers on 127.0.0.1.
+    NIXL's UCX TCP transport in each worker also listened on the host's address until
+    local_cluster set UCX_NET_DEVICES=lo (a value in the environment still wins)."""
+    listening = cluster.listeners()
+    ports = {port for _, port, _ in listening}
+    assert all(i.port in ports for i in cluster.all()), f"an API server not seen listening: {listening}"
+    assert any(title == "VLLM::Worker" for _, _, title in listening), f"no worker seen listening: {listening}"
+    wide = [(ip, port, title) for ip, port, title in listening if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not wide, f"listening beyond loopback: {wide}"
+
+
 @pytest.mark.every_vllm  # what differs between vLLM versions
 def test_connector_metrics_appear_on_vllm_metrics(cluster):
     awaited = metric(cluster.d, "neuron_disagg_landings_awaited_total")

@@ -10,13 +10,14 @@ import itertools
 import secrets
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
 from neuron_disagg import kv_params
 from neuron_disagg.demo import tiny_model
 from neuron_disagg.kv_params import ParamsSigner
-from neuron_disagg.local_cluster import disaggregated, free_port, monolithic, router, stop_together
+from neuron_disagg.local_cluster import descendants, disaggregated, free_port, monolithic, router, stop_together
 
 from ..vllm_envs import VllmEnv
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3, "max_read_s": 3,
@@ -63,6 +64,27 @@ class Cluster:
 
     def all(self):
         return tuple(i for i in (self.mono, self.p, self.d) if i is not None)
+
+    def listeners(self) -> list[tuple[str, int, str]]:
+        return listening(*(i.process.pid for i in self.all()))
+
+
+def listening(*roots: int) -> list[tuple[str, int, str]]:
+    """(address, port, process title) of every TCP socket that ``roots`` or a process below them
+    listens on (vLLM's workers and Ray's retitle themselves: VLLM::Worker, ray::ServeReplica:...)."""
+    import psutil
+
+    titles = {pid: title(pid) for root in roots for pid in (root, *(p for p, _ in descendants(root)))}
+    return [(c.laddr.ip, c.laddr.port, titles[c.pid]) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in titles]
+
+
+def title(pid: int) -> str:
+    """A process's title; "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager
