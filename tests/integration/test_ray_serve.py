@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from neuron_disagg.demo import tiny_model
-from neuron_disagg.local_cluster import monolithic, free_port, stop_together
+from neuron_disagg.local_cluster import descendants, monolithic, free_port, stop_together
 
 from ..vllm_envs import extra_env
 from .ray_cluster import MODES, REPLICAS, RayCluster
-from .vllm_cluster import MAX_MODEL_LEN, PATIENT, TIMEOUTS, body, prompt, wait_for
+from .vllm_cluster import MAX_MODEL_LEN, TIMEOUTS, body, prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
 def ray_cluster():
     model = str(tiny_model.build())
     mono = monolithic(model, free_port(), "0", python=extra_env("0.29.0").python, max_model_len=MAX_MODEL_LEN)
-    config = {**TIMEOUTS, "watchdog_s": PATIENT["watchdog_s"]}
+    config = TIMEOUTS
     ray = RayCluster(model, secrets.token_hex(32), config)
     try:
         ray.driver.start()
@@ -125,31 +125,43 @@ def test_chat_n_and_prompt_lists_through_ray_as_through_our_router(ray_cluster):
 
 
 def test_p_replicas_killed_mid_request_still_yield_the_answer(ray_cluster):
-    """Each mode's P replica, computing a long prompt, is killed (SIGKILL to its process group, as a
-    crashed host's): the client still gets monolithic's answer (D computes what did not arrive), and
-    no replica holds a block after. Ray then starts new P replicas; the
-    test does not wait for them (two vLLM starts, about 80 s of the suite's critical path): that a D
-    reaches a P restarted at the same side-channel address is tested on real processes in
-    test_upstream_restarts.py and tests/transfer/test_side_channel.py. Last in this module: the
-    fixture then stops the cluster, restarting replicas included."""
+    """Each mode's P replica dies with a request in flight, as a crashed host's would: its vLLM
+    engine is stopped (SIGSTOP: nothing it computes can land) while the replica itself still takes
+    requests, the requests are sent, and once they were dispatched the replica is killed with its
+    engine (SIGKILL to its process group). The client still gets monolithic's answer: under push,
+    D registered with the dead P and computes the prompt itself at its watchdog (counted); under
+    pull, D computes it or a P replica Ray started meanwhile serves the leg. No replica holds a
+    block after. The test does not wait for Ray's new P replicas (two vLLM starts, about 80 s of
+    the suite's critical path): that a D reaches a P restarted at the same side-channel address is
+    tested on real processes in test_upstream_restarts.py and tests/transfer/test_side_channel.py.
+    Last in this module: the fixture then stops the cluster, restarting replicas included."""
     ray, mono = ray_cluster
-    text = prompt(1500, 320)
+    text = prompt(600, 320)
     want = texts(answers(mono.url, [body(text, 8)])[0])
-    victims = {mode: _p_replica_pids(ray, mode) for mode in MODES}
-    assert all(len(pids) == REPLICAS for pids in victims.values()), victims
+    replicas = [pid for mode in MODES for pid in _p_replica_pids(ray, mode)]
+    assert len(replicas) == REPLICAS * len(MODES), replicas
+    engines = [pid for replica in replicas for pid, _ in descendants(replica)]
+    assert engines, "no engine processes below the P replicas"
+    recomputed = ray.total("neuron_disagg_recomputed_total", "decode")
 
-    async def kill_while_computing():
+    async def kill_in_flight():
         async with httpx.AsyncClient(timeout=300) as client:
+            for pid in engines:
+                os.kill(pid, signal.SIGSTOP)
             requests = [asyncio.create_task(client.post(ray.app_url(mode) + "/v1/completions", json=body(text, 8)))
                         for mode in MODES]
-            await asyncio.sleep(1.0)  # P is computing the 1,500-token prompt (seconds on one core)
-            for pid in (pid for pids in victims.values() for pid in pids):
-                os.killpg(pid, signal.SIGKILL)  # the replica with its engine: Ray gives each a process group
+            # Dispatched by then: Ray picked the P replica (it still answers), P's leg waits on
+            # the stopped engine, D's registration sits in the stopped worker's socket.
+            await asyncio.sleep(3.0)
+            for pid in replicas:
+                os.killpg(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
             return await asyncio.gather(*requests)
 
-    for mode, r in zip(MODES, asyncio.run(kill_while_computing())):
+    for mode, r in zip(MODES, asyncio.run(kill_in_flight())):
         assert r.status_code == 200, (mode, r.text)
         assert texts(r.json()) == want, mode
+    wait_for(lambda: ray.total("neuron_disagg_recomputed_total", "decode") > recomputed, 60,
+             "push's D replica counting the recompute")
     ray.held_blocks_back(120)
 
 
