@@ -174,8 +174,8 @@ def main(argv: list[str]) -> int:
         # makes it 127.0.0.1; vLLM's engines in the replicas likewise. The HTTP proxy listens
         # where --host says. NIXL's UCX TCP transport in each engine, which inherits this
         # environment, would listen on every network device but loopback.
-        os.environ.setdefault(LOOPBACK_NODE_ENV, "0")
-        os.environ.update({k: v for k, v in LOOPBACK_FABRIC.items() if k not in os.environ})
+        for key, value in {LOOPBACK_NODE_ENV: "0", **LOOPBACK_FABRIC}.items():
+            os.environ.setdefault(key, value)
         for env in (prefill_env, decode_env):  # and the sockets between an engine's processes
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # torch.distributed's, under Ray's node name
