@@ -79,6 +79,26 @@ class FailTransfer:
 
 
 @dataclass(frozen=True, slots=True)
+class Quarantine:
+    """D: the transfer's KV will not come, and the request must not wait for its blocks' fence:
+    it goes on now without them (computed here, or failed, as ``kv_load_failure_policy`` says).
+    The blocks themselves stay out of use, where a late write may still land, until this
+    transfer's ``FreeBlocks``."""
+
+    transfer_id: TransferId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePeer:
+    """D: ask the peer rank whether it is still there (``Probe``); report its ``Alive`` or the
+    failure back to the core (``probe_answered`` / ``probe_failed``)."""
+
+    peer: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class Transitioned:
     """A request changed state. For logs, metrics and timelines; needs no action."""
 
@@ -91,4 +111,4 @@ class Transitioned:
 
 
 Action = (SubmitWrite | AbortWrite | SubmitRead | AbortRead | SendMessage | FreeBlocks | FinishLoad | FailTransfer
-          | Transitioned)
+          | Quarantine | ProbePeer | Transitioned)

@@ -8,6 +8,12 @@ P may still have in flight (I2): P starts no write after the registration's expi
 write after ``max_write_s`` and then waits as long again for it to end before it releases it (a
 released write is not stopped), so ``expires_at + 2 * max_write_s + clock_skew_allowance_s`` is safe.
 
+The request need not wait for that fence. D probes every P rank it waits on (``liveness.py``); when
+one is gone — refused, silent for ``suspect_after_s``, or restarted — the transfer is QUARANTINED:
+the request goes on at once without its blocks (``Quarantine``: computed here, or failed, as the
+policy says), and the blocks stay fenced, where a late write from a P that was only paused may
+still land, until P confirms or the fence lapses.
+
 Every transition of this side is in ``TABLE``.
 """
 
@@ -18,7 +24,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .actions import Action, FailTransfer, FinishLoad, FreeBlocks, SendMessage
+from .actions import Action, FailTransfer, FinishLoad, FreeBlocks, Quarantine, SendMessage
+from .liveness import PeerWatch
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, refuse_late_allocation
 from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
 from .plan import writer_ranks
@@ -30,6 +37,7 @@ class DState(enum.Enum):
     REGISTERED = "registered"      # blocks registered with P; watchdog running
     CANCELLING = "cancelling"      # we gave up; blocks fenced until P confirms or the fence lapses
     TIMING_OUT = "timing_out"      # watchdog fired; same fence, but the outcome is a failure
+    QUARANTINED = "quarantined"    # P is gone: the request went on without the KV; blocks fenced
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -44,6 +52,7 @@ class DEvent(enum.Enum):
     ABORT = "abort"
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
+    SUSPECTED = "suspected"        # a P rank we wait on is gone (liveness.py): only while we wait on P
 
 
 class DEffect(enum.Enum):
@@ -55,6 +64,8 @@ class DEffect(enum.Enum):
     FREE_BLOCKS = "free the registered blocks"
     FREE_LATE_BLOCKS = "free blocks allocated after the transfer ended: never registered with P"
     FAIL = "fail the request upstream"
+    QUARANTINE = "the request goes on without the KV now; the blocks stay fenced"
+    COUNT_LATE_LANDING = "count P's write that landed in quarantined blocks (never decoded)"
     DROP = "count an event that changes nothing"
 
 
@@ -72,6 +83,7 @@ TABLE: dict[tuple[DState, DEvent], Rule] = {
     (S.PENDING, E.EXPIRED): _R(
         S.FAILED, (F.SEND_CANCEL, F.FAIL), "decode did not admit the request within admission_timeout_s"),
     (S.PENDING, E.EXPECT): _R(None, (F.DROP,)),
+    (S.PENDING, E.SUSPECTED): _R(S.FAILED, (F.SEND_CANCEL, F.FAIL)),  # its blocks, when allocated, fail at once
     # -- blocks registered: P's writes may land at any moment ----------------------------------
     (S.REGISTERED, E.VERDICT): _R(None),
     (S.REGISTERED, E.DELIVERED): _R(S.DONE, (F.FINISH_LOAD,)),
@@ -82,6 +94,7 @@ TABLE: dict[tuple[DState, DEvent], Rule] = {
     (S.REGISTERED, E.EXPIRED): _R(
         S.TIMING_OUT, (F.SEND_CANCEL, F.ARM_FENCE), "no KV from prefill within watchdog_s"),
     (S.REGISTERED, E.EXPECT): _R(None, (F.DROP,)),
+    (S.REGISTERED, E.SUSPECTED): _R(S.QUARANTINED, (F.SEND_CANCEL, F.ARM_FENCE, F.QUARANTINE)),
     # -- fenced: blocks stay ours, untouched, until P confirms or the fence lapses ------------
     (S.CANCELLING, E.VERDICT): _R(None),
     (S.CANCELLING, E.DELIVERED): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
@@ -97,6 +110,15 @@ TABLE: dict[tuple[DState, DEvent], Rule] = {
     (S.TIMING_OUT, E.ABORT): _R(S.CANCELLING),
     (S.TIMING_OUT, E.SUPERSEDED): _R(S.CANCELLING),
     (S.TIMING_OUT, E.EXPECT): _R(None, (F.DROP,)),
+    (S.TIMING_OUT, E.SUSPECTED): _R(S.QUARANTINED, (F.QUARANTINE,)),  # fence already armed
+    # -- quarantined: the request went on; the blocks wait for P's word or the fence -----------
+    (S.QUARANTINED, E.VERDICT): _R(None),
+    (S.QUARANTINED, E.DELIVERED): _R(S.FAILED, (F.COUNT_LATE_LANDING, F.FREE_BLOCKS)),
+    (S.QUARANTINED, E.UNDELIVERABLE): _R(S.FAILED, (F.FREE_BLOCKS,)),
+    (S.QUARANTINED, E.EXPIRED): _R(S.FAILED, (F.FREE_BLOCKS,)),
+    (S.QUARANTINED, E.ABORT): _R(None, (F.DROP,)),
+    (S.QUARANTINED, E.SUPERSEDED): _R(None),
+    (S.QUARANTINED, E.EXPECT): _R(None, (F.DROP,)),
 }
 for _end in TERMINAL:
     TABLE.update({
@@ -128,13 +150,14 @@ class ConsumerTimeouts:
     max_write_s: float = 30.0
     clock_skew_allowance_s: float = 1.0
     tombstone_s: float = 600.0
+    suspect_after_s: float = 3.0
 
 
 class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
     """Transfers of one D tensor-parallel rank. Called by D's transfer thread, never the engine."""
 
     TABLE, NEW, TERMINAL = TABLE, DState.NEW, TERMINAL
-    EXPIRED, SUPERSEDED = DEvent.EXPIRED, DEvent.SUPERSEDED
+    EXPIRED, SUPERSEDED, SUSPECTED = DEvent.EXPIRED, DEvent.SUPERSEDED, DEvent.SUSPECTED
 
     def __init__(self, side_channel: str, tp_rank: int = 0, tp_size: int = 1,
                  timeouts: ConsumerTimeouts = ConsumerTimeouts(), strict: bool = False,
@@ -144,6 +167,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timeouts = timeouts
+        self.watch = PeerWatch(timeouts.suspect_after_s)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> ConsumerTransfer:
         return ConsumerTransfer(transfer_id, DState.NEW, now)
@@ -203,13 +227,23 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         return step.actions
 
     def tick(self, now: float) -> list[Action]:
-        """Time passed: fire lapsed deadlines; heartbeat P for transfers still waiting on it."""
+        """Time passed: fire lapsed deadlines; heartbeat and probe P for transfers still waiting on it."""
         actions = self._tick(now)
+        self._watch_peers(Step(self._now, actions=actions))
         for entry in self.entries.values():
             if entry.state in (DState.PENDING, DState.REGISTERED) and self._now >= entry.next_heartbeat_at:
                 entry.next_heartbeat_at = self._now + self.timeouts.heartbeat_interval_s
                 actions.append(self._to_producer(entry, Heartbeat(entry.transfer_id, self._now)))
         return actions
+
+    def _waits_on(self, entry: ConsumerTransfer) -> tuple[tuple[str, int], ...]:
+        if entry.state is DState.PENDING:
+            ranks = writer_ranks(self.tp_rank, self.tp_size, entry.p_tp_size, self.total_heads)
+        elif entry.state in (DState.REGISTERED, DState.TIMING_OUT):
+            ranks = tuple(sorted(entry.owed_by))
+        else:
+            return ()
+        return tuple((entry.p_side_channel, rank) for rank in ranks)
 
     # -- effects ----------------------------------------------------------------------------------
     def _to_producer(self, entry: ConsumerTransfer, message) -> SendMessage:
@@ -240,5 +274,10 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             step.actions.append(FreeBlocks(tid, step.payload.block_ids))
         elif effect is F.FAIL:
             step.actions.append(FailTransfer(tid, step.reason or entry.reason or entry.failure or "failed"))
+        elif effect is F.QUARANTINE:
+            self.counters["quarantined"] += 1
+            step.actions.append(Quarantine(tid, step.reason or entry.reason or "prefill gone"))
+        elif effect is F.COUNT_LATE_LANDING:
+            self.counters["landed_in_quarantine"] += 1
         elif effect is F.DROP:
             self._drop(f"{step.payload.__class__.__name__.lower()}:{entry.state.value}")

@@ -15,20 +15,13 @@ from typing import Any, Generic, TypeVar
 
 from .actions import Action, FailTransfer, FreeBlocks, Transitioned
 from .errors import ProtocolError
+from .liveness import PeerRank, PeerWatch
 from .messages import TransferId
+from .rules import Rule
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 F = TypeVar("F", bound=enum.Enum)
-
-
-@dataclass(frozen=True)
-class Rule(Generic[S, F]):
-    """``next_state`` None means: stay. ``reason`` overrides the event's reason for effects."""
-
-    next_state: S | None
-    effects: tuple[F, ...] = ()
-    reason: str | None = None
 
 
 @dataclass
@@ -83,6 +76,8 @@ class StateMachine(Generic[S, E, F, EntryT]):
     EXPIRED: Any
     SUPERSEDED: Any
     WITHDRAWN: Any = None  # P's cores only: the router's Withdraw
+    SUSPECTED: Any = None  # D's cores only: a peer rank the transfer waits on is gone
+    watch: PeerWatch | None = None  # D's cores: the peer ranks live transfers wait on
 
     def __init__(self, *, tombstone_s: float, strict: bool = False):
         self.entries: dict[TransferId, EntryT] = {}
@@ -186,6 +181,43 @@ class StateMachine(Generic[S, E, F, EntryT]):
     def _if_withdrawn(self, entry: EntryT, step: Step) -> None:
         if self._withdrawn and entry.transfer_id.router_attempt() in self._withdrawn:
             self._fire(entry, self.WITHDRAWN, step)
+
+    # -- the peers D waits on (D's cores) ----------------------------------------------------------
+    def _waits_on(self, entry: EntryT) -> tuple[PeerRank, ...]:
+        """The peer ranks whose word this live transfer still waits for."""
+        return ()
+
+    def _watch_peers(self, step: Step) -> None:
+        """Each tick: probe every peer rank a live transfer waits on; a transfer waiting on a rank
+        that is gone recovers (SUSPECTED)."""
+        wanted: set[PeerRank] = set()
+        for entry in self.entries.values():
+            if entry.state not in self.TERMINAL:
+                wanted.update(self._waits_on(entry))
+        step.actions.extend(self.watch.tick(step.now, wanted))
+        self._suspect(self.watch.gone(), step)
+
+    def _suspect(self, suspected: dict[PeerRank, str], step: Step) -> None:
+        if not suspected:
+            return
+        for entry in self.live():
+            for peer in self._waits_on(entry):
+                if peer in suspected:
+                    self._fire(entry, self.SUSPECTED, Step(step.now, suspected[peer], actions=step.actions))
+                    break
+
+    def probe_answered(self, peer: str, rank: int, incarnation: str, now: float) -> list[Action]:
+        """A peer rank answered our probe as process ``incarnation``."""
+        step = Step(self._clock(now))
+        self._suspect(self.watch.answered((peer, rank), incarnation, step.now), step)
+        return step.actions
+
+    def probe_failed(self, peer: str, rank: int, refused: bool, now: float) -> list[Action]:
+        """A probe got no answer: ``refused`` (nothing listens there, or the connection was reset) or
+        not (it timed out; silence is judged at the tick)."""
+        step = Step(self._clock(now))
+        self._suspect(self.watch.failed((peer, rank), refused, step.now), step)
+        return step.actions
 
     # -- time passes -----------------------------------------------------------------------------
     def _tick(self, now: float) -> list[Action]:

@@ -4,6 +4,8 @@ Direction D -> P: Registration, Heartbeat, Cancel.
 Direction P -> D: WriteDone (rides on the WRITE itself as its completion notification),
 WriteFailed, CancelAck.
 Router -> P: Withdraw (no D took the request; what P holds for it is freed).
+D -> a P rank, answered on the same connection: Probe, Alive (is the rank that holds our transfers
+still the same live process?).
 
 Times are Unix seconds from the sender's clock; deployments keep clocks in sync (chrony on AWS) and
 every deadline derived from a remote time is padded by ``clock_skew_allowance_s``.
@@ -238,7 +240,23 @@ class Withdraw(msgspec.Struct, frozen=True, tag="withdraw"):
     reason: str
 
 
+class Probe(msgspec.Struct, frozen=True, tag="probe"):
+    """D -> a P rank's side channel: "are you there?", answered with ``Alive`` on the same connection.
+    D probes each P rank its live transfers wait on; silence or a refused connection is how D learns
+    that P died, stopped or lost its network, in seconds rather than at its watchdog."""
+
+    sent_at: float
+
+
+class Alive(msgspec.Struct, frozen=True, tag="alive"):
+    """A rank's answer to ``Probe``. ``incarnation`` is random per process start, so D tells a P
+    restarted at the same address (which holds none of the old transfers) from the one it registered with."""
+
+    tp_rank: int
+    incarnation: str
+
+
 Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
-                CancelAck, AgentInfoRequest, AgentInfo, Withdraw]
+                CancelAck, AgentInfoRequest, AgentInfo, Withdraw, Probe, Alive]
 ToProducer = Union[Registration, Heartbeat, Cancel]
 ToConsumer = Union[WriteDone, WriteFailed, CancelAck]

@@ -5,7 +5,9 @@ needs, off its engine loop. The fencing mirrors push: D starts no READ after the
 ``expires_at`` (refusing outright an offer stamped in its own future beyond the clock skew
 allowance) and gives up on a READ after ``max_read_s``. Giving up does not stop a READ (NIXL
 cannot cancel an RDMA op in flight), so D's blocks stay out of vLLM's hands until the READ ends,
-or until a second ``max_read_s`` has passed; only then does D tell P. Every transition is in
+or until a second ``max_read_s`` has passed; only then does D tell P. As in push, D probes the P
+ranks it reads from (``liveness.py``): when one is gone, the request goes on at once without the KV
+(``Quarantine``) and the blocks wait for the READ's end as before. Every transition is in
 ``READER_TABLE``; the core does no I/O and is called only by D's pull reader thread.
 """
 
@@ -16,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SendMessage, SubmitRead
+from .actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, Quarantine, SendMessage, SubmitRead
+from .liveness import PeerWatch
 from .errors import PlanError
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, clock_behind_reason, refuse_late_allocation
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
@@ -29,6 +32,7 @@ class RState(enum.Enum):
     READING = "reading"
     ABORTING = "aborting"      # aborted mid-READ: blocks stay ours until the READ ends
     DRAINING = "draining"      # gave up on the READ: blocks stay ours until it ends; then recompute
+    QUARANTINED = "quarantined"  # P is gone: the request went on without the KV; blocks wait for the READ
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -43,6 +47,7 @@ class REvent(enum.Enum):
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
     CLOCK_BEHIND = "clock_behind"  # the offer was sent from our future: its expiry means nothing here
+    SUSPECTED = "suspected"    # a P rank we read from is gone (liveness.py): only while we wait on P
 
 
 class REffect(enum.Enum):
@@ -55,6 +60,8 @@ class REffect(enum.Enum):
     FINISH_LOAD = "hand the request to the engine"
     FAIL = "fail the request upstream"
     FREE_LATE_BLOCKS = "free blocks allocated after the transfer ended"
+    QUARANTINE = "the request goes on without the KV now; the blocks wait for the READ"
+    COUNT_LATE_LANDING = "count a READ that landed in quarantined blocks (never decoded)"
     DROP = "count"
 
 
@@ -91,6 +98,16 @@ READER_TABLE: dict[tuple[RState, REvent], Rule] = {
     (_R.ABORTING, _RE.SUPERSEDED): Rule(None),
     (_R.WAITING, _RE.OFFER): Rule(None, (_RF.DROP,)),
     (_R.READING, _RE.OFFER): Rule(None, (_RF.DROP,)),
+    # -- a P rank we wait on is gone: recover now, hold the blocks until the READ is over ------
+    (_R.WAITING, _RE.SUSPECTED): Rule(_R.FAILED, (_RF.TELL_P_FAILED, _RF.FAIL)),
+    (_R.READING, _RE.SUSPECTED): Rule(_R.QUARANTINED, (_RF.DRAIN, _RF.QUARANTINE)),
+    (_R.DRAINING, _RE.SUSPECTED): Rule(_R.QUARANTINED, (_RF.QUARANTINE,)),
+    (_R.QUARANTINED, _RE.READ_DONE): Rule(_R.FAILED, (_RF.COUNT_LATE_LANDING, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
+    (_R.QUARANTINED, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
+    (_R.QUARANTINED, _RE.EXPIRED): Rule(_R.FAILED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
+    (_R.QUARANTINED, _RE.ABORT): Rule(None, (_RF.DROP,)),
+    (_R.QUARANTINED, _RE.SUPERSEDED): Rule(None),
+    (_R.QUARANTINED, _RE.OFFER): Rule(None, (_RF.DROP,)),
 }
 for _end in (_R.DONE, _R.FAILED, _R.CANCELLED):
     READER_TABLE.update({(_end, e): Rule(None, (_RF.DROP,)) for e in (_RE.OFFER, _RE.ABORT, _RE.READ_DONE, _RE.READ_FAILED)})
@@ -105,6 +122,7 @@ class ReaderTimeouts:
     max_read_s: float = 30.0  # give up on a READ that takes longer; its blocks wait as long again for it
     clock_skew_allowance_s: float = 1.0
     tombstone_s: float = 600.0
+    suspect_after_s: float = 3.0
 
 
 @dataclass
@@ -119,13 +137,14 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     """D rank side of pull mode; called by D's pull reader thread."""
 
     TABLE, NEW, TERMINAL = READER_TABLE, RState.NEW, frozenset({RState.DONE, RState.FAILED, RState.CANCELLED})
-    EXPIRED, SUPERSEDED = REvent.EXPIRED, REvent.SUPERSEDED
+    EXPIRED, SUPERSEDED, SUSPECTED = REvent.EXPIRED, REvent.SUPERSEDED, REvent.SUSPECTED
 
     def __init__(self, tp_rank: int, tp_size: int, timeouts: ReaderTimeouts = ReaderTimeouts(),
                  strict: bool = False, total_heads: int | None = None):
         super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
         self.tp_rank, self.tp_size, self.timeouts = tp_rank, tp_size, timeouts
         self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
+        self.watch = PeerWatch(timeouts.suspect_after_s)
 
     def _new_entry(self, transfer_id: TransferId, now: float) -> Read:
         return Read(transfer_id, RState.NEW, now)
@@ -163,7 +182,14 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         return self._local(transfer_id, REvent.ABORT, now, reason)
 
     def tick(self, now: float) -> list:
-        return self._tick(now)
+        actions = self._tick(now)
+        self._watch_peers(Step(self._now, actions=actions))
+        return actions
+
+    def _waits_on(self, entry: Read) -> tuple[tuple[str, int], ...]:
+        if entry.state not in (RState.WAITING, RState.READING, RState.DRAINING):
+            return ()
+        return tuple((entry.offer.p_side_channel, rank) for rank in self._sources(entry.offer))
 
     def _local(self, transfer_id, event, now, reason):
         step = Step(self._clock(now), reason=reason)
@@ -227,6 +253,11 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
             step.actions.append(FinishLoad(tid))
         elif effect is REffect.FAIL:
             step.actions.append(FailTransfer(tid, step.reason or entry.reason or "failed"))
+        elif effect is REffect.QUARANTINE:
+            self.counters["quarantined"] += 1
+            step.actions.append(Quarantine(tid, step.reason or entry.reason or "prefill gone"))
+        elif effect is REffect.COUNT_LATE_LANDING:
+            self.counters["landed_in_quarantine"] += 1
         elif effect is REffect.FREE_LATE_BLOCKS:
             self._drop("allocated:after_end")
             step.actions.append(FreeBlocks(tid, step.payload[1]))

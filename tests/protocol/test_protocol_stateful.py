@@ -1,9 +1,12 @@
 """One P core and one D core driven through random interleavings over a lossy, reordering,
 duplicating network with forged messages, clock jumps and P's clock skewed against D's (inside the
-allowance and far beyond it, either way). After every step: I1 (writes only for
-current registrations), I2 (no D block freed or reused under a write), I3 (every transfer terminal
-within its bound), I4 (blocks freed exactly once; pools whole at the end), I7 in miniature (the
-bytes D hands to decode are exactly P's KV for those positions, including after prefix hits)."""
+allowance and far beyond it, either way). D's probes of P are answered, refused or left unanswered
+at random, and P may restart: D then quarantines what it registered while P, which in this model
+never really dies, may still write into it. After every step: I1 (writes only for
+current registrations), I2 (no D block freed or reused under a write, quarantined or not), I3
+(every transfer terminal within its bound), I4 (blocks freed exactly once; pools whole at the end),
+I7 in miniature (the bytes D hands to decode are exactly P's KV for those positions, including
+after prefix hits; nothing quarantined is ever handed to decode)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from neuron_disagg.protocol import (
     Heartbeat, MessageError, ProducerCore, ProducerTimeouts, RankRegions, Registration,
     SendMessage, SubmitWrite, TransferId, Transitioned, WireCodec, WriteDone, WriteFailed,
 )
+from neuron_disagg.protocol.actions import ProbePeer, Quarantine
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions, regions_bytes
 from neuron_disagg.transfer.memory import MemoryFabric
 
@@ -24,7 +28,7 @@ SHAPE = ModelShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype_bytes=1, bloc
 POOL = 24
 PT = ProducerTimeouts(lease_s=3, max_write_s=2, watchdog_s=5, clock_skew_allowance_s=0.5, tombstone_s=40)
 DT = ConsumerTimeouts(watchdog_s=5, admission_timeout_s=4, heartbeat_interval_s=1, max_write_s=2,
-                      clock_skew_allowance_s=0.5, tombstone_s=40)
+                      clock_skew_allowance_s=0.5, tombstone_s=40, suspect_after_s=1.5)
 D_BOUND = DT.admission_timeout_s + DT.watchdog_s + 2 * DT.max_write_s + DT.clock_skew_allowance_s
 P_BOUND = 2 * PT.lease_s + DT.admission_timeout_s + DT.watchdog_s + 2 * PT.max_write_s + PT.clock_skew_allowance_s
 SECRET = b"stateful-test-secret-0123456789!"
@@ -61,6 +65,9 @@ class PushProtocol(RuleBasedStateMachine):
         self.p_latest_attempt: dict[str, int] = {}
         self.forged = 0
         self.p_offset = 0.0  # P's clock minus D's (the harness's ``now`` is D's clock and true time)
+        self.probes: list[ProbePeer] = []  # D's probes of P, not answered yet
+        self.p_incarnation = 0             # which process answers at P's address
+        self.quarantined: set[TransferId] = set()  # D's request went on without these transfers' blocks
 
     @initialize(offset=st.sampled_from([-3.0, -0.4, 0.0, 0.4, 3.0]))
     def clocks_disagree(self, offset):
@@ -84,6 +91,13 @@ class PushProtocol(RuleBasedStateMachine):
                 self.free(side, action)
             elif isinstance(action, FinishLoad):
                 self.finish_load(action.transfer_id)
+            elif isinstance(action, ProbePeer):
+                assert (action.peer, action.rank) == (P_ADDR, 0), action
+                self.probes.append(action)
+            elif isinstance(action, Quarantine):
+                tid = action.transfer_id
+                assert tid in self.d_owned and tid not in self.quarantined, f"{tid} quarantined twice or unowned"
+                self.quarantined.add(tid)
             elif isinstance(action, (FailTransfer, Transitioned)):
                 pass
             else:
@@ -108,6 +122,7 @@ class PushProtocol(RuleBasedStateMachine):
             self.d_free |= set(blocks) | set(self.prefix.pop(tid, ()))
 
     def finish_load(self, tid):
+        assert tid not in self.quarantined, f"I7: quarantined {tid} handed to decode"
         assert tid in self.landed, f"I7: {tid} handed to decode before its write landed"
         blocks = self.prefix.pop(tid, ()) + self.d_owned.pop(tid)
         for pos, block in enumerate(blocks):
@@ -242,6 +257,38 @@ class PushProtocol(RuleBasedStateMachine):
         del self.in_flight[tid]
         self.perform("p", self.p.write_failed(tid, "remote disconnected", self.p_now))
 
+    # -- D's probes of P --------------------------------------------------------------------------------
+    @precondition(lambda self: self.probes)
+    @rule(i=st.integers(0, 100), fate=st.sampled_from(["alive"] * 3 + ["refused", "unanswered", "unanswered"]))
+    def probe_ends(self, i, fate):
+        """P answers (as the process it is now), refuses, or times out: stopped, dead or cut off."""
+        probe = self.probes.pop(i % len(self.probes))
+        if fate == "alive":
+            self.perform("d", self.d.probe_answered(probe.peer, probe.rank, f"p{self.p_incarnation}", self.now))
+        else:
+            self.perform("d", self.d.probe_failed(probe.peer, probe.rank, fate == "refused", self.now))
+
+    @rule()
+    def prefill_resumes_and_catches_up(self):
+        """A P that was stopped (and so answered no probe) resumes: its writer, ahead of its side
+        channel, finishes its prefills and writes for the registrations it had before it reads D's
+        Cancels, so the writes land in blocks D has quarantined meanwhile."""
+        cancels = [f for f in self.to_p if isinstance(self.codec.decode(f), Cancel)]
+        while len(self.to_p) > len(cancels):
+            frame = next(f for f in self.to_p if f not in cancels)
+            self.to_p.remove(frame)
+            self.deliver(True, frame)
+        while self.prefilling:
+            self.prefill_finishes(0, "not")
+        while self.in_flight:
+            self.write_lands(0)
+
+    @rule()
+    def prefill_restarts(self):
+        """Another process answers at P's address from now on. The old one is not really gone here:
+        its writes may still land, which is what D's quarantine must hold."""
+        self.p_incarnation += 1
+
     # -- the network ---------------------------------------------------------------------------------
     @precondition(lambda self: self.to_p or self.to_d)
     @rule(i=st.integers(0, 100), to_p=st.booleans(), fate=st.sampled_from(["deliver"] * 4 + ["dup", "drop"]))
@@ -296,6 +343,13 @@ class PushProtocol(RuleBasedStateMachine):
         self.perform("p", self.p.tick(self.p_now))
         self.perform("d", self.d.tick(self.now))
 
+    @rule(steps=st.integers(2, 12))
+    def time_passes_tick_by_tick(self, steps):
+        """Time passing as the threads see it, a tick every 0.25 s: long enough at a stretch for D to
+        judge a P that answers no probe silent (longer gaps look like D's own pause to it)."""
+        for _ in range(steps):
+            self.time_passes(0.25)
+
     # -- invariants ---------------------------------------------------------------------------------------
     @invariant()
     def pools_are_conserved(self):
@@ -327,6 +381,9 @@ class PushProtocol(RuleBasedStateMachine):
             self.time_passes(P_BOUND + 1)
             for tid in list(self.d_decoding):
                 self.d_free |= set(self.d_decoding.pop(tid))
+            for probe in self.probes:
+                self.perform("d", self.d.probe_answered(probe.peer, probe.rank, f"p{self.p_incarnation}", self.now))
+            self.probes.clear()
         assert not self.p.live() and not self.d.live()
         assert not self.in_flight
         assert self.p_free == set(range(POOL)), "I4: P blocks leaked"

@@ -7,7 +7,7 @@ import pytest
 from neuron_disagg.protocol import FailTransfer, FinishLoad, FreeBlocks, RankRegions, SendMessage, TransferId
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions
 from neuron_disagg.protocol.messages import PullOffer, ReadDone, ReadFailed
-from neuron_disagg.protocol.actions import AbortRead, SubmitRead
+from neuron_disagg.protocol.actions import AbortRead, Quarantine, SubmitRead
 from neuron_disagg.protocol.lender import LENDER_TABLE, LenderCore, LenderTimeouts, LEvent, LState
 from neuron_disagg.protocol.reader import READER_TABLE, ReaderCore, ReaderTimeouts, REffect, REvent, RState
 
@@ -119,7 +119,15 @@ R_PATHS = {
     RState.FAILED: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
                     lambda c: c.read_failed(TID, "peer died", 1.5)],
     RState.CANCELLED: [lambda c: c.offered(offer(), 0), lambda c: c.abort(TID, "client gone", 1)],
+    RState.QUARANTINED: [lambda c: c.offered(offer(), 0), lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1),
+                         lambda c: _suspect(c, 1.2)],
 }
+
+
+def _suspect(c, now):
+    """P's rank refuses our probe: it is gone."""
+    return c.tick(now) + c.probe_failed("p-host:1", 0, True, now)
+
 R_EVENTS = {
     REvent.OFFER: lambda c: c.offered(offer(), 1.8),
     REvent.ALLOCATED: lambda c: c.allocated(TID, LOCAL, D_BLOCKS, 0, 1.8),
@@ -128,10 +136,11 @@ R_EVENTS = {
     REvent.ABORT: lambda c: c.abort(TID, "client gone", 1.8),
     REvent.EXPIRED: lambda c: c.tick(c.entries[TID].deadline),
     REvent.SUPERSEDED: lambda c: c.offered(offer(TransferId("req", 1)), 1.8),
+    REvent.SUSPECTED: lambda c: _suspect(c, 1.8),
 }
 R_ACTIONS = {REffect.SUBMIT_READ: SubmitRead, REffect.ABORT_READ: AbortRead, REffect.FINISH_LOAD: FinishLoad,
              REffect.FAIL: FailTransfer, REffect.TELL_P_FAILED: SendMessage, REffect.FREE_BLOCKS: FreeBlocks,
-             REffect.FREE_LATE_BLOCKS: FreeBlocks}
+             REffect.FREE_LATE_BLOCKS: FreeBlocks, REffect.QUARANTINE: Quarantine}
 
 
 @pytest.mark.parametrize("state,event", sorted(READER_TABLE, key=lambda k: (k[0].value, k[1].value)),
@@ -154,6 +163,10 @@ def test_every_reader_row(state, event):
             assert R_ACTIONS[effect] in kinds, (effect, actions)
     if REffect.FREE_BLOCKS not in rule.effects and REffect.FREE_LATE_BLOCKS not in rule.effects:
         assert FreeBlocks not in kinds
+    if REffect.COUNT_LATE_LANDING in rule.effects:
+        assert c.counters["landed_in_quarantine"] == 1
+    if state is RState.QUARANTINED:
+        assert FailTransfer not in kinds and Quarantine not in kinds, "the request was told once"
     order = [type(a) for a in actions if isinstance(a, (FailTransfer, FreeBlocks))]
     if FailTransfer in order and FreeBlocks in order:
         # The worker reports a transfer to vLLM when its blocks are freed: as a failed load only
@@ -245,3 +258,18 @@ def test_an_aborted_read_keeps_its_blocks_through_the_same_drain():
     actions = c.tick(5)
     assert [type(a) for a in actions if isinstance(a, (AbortRead, FreeBlocks))] == [AbortRead, FreeBlocks]
     assert c.state_of(TID) is RState.CANCELLED
+
+
+def test_a_read_from_a_prefill_that_is_gone_recovers_now_and_holds_its_blocks_until_the_read_ends():
+    """P stopped mid-READ: the request goes on without the KV at once (before, it waited
+    max_read_s, then max_read_s again); the blocks stay fenced until the READ ends or its drain
+    deadline passes, whatever lands in them meanwhile never reaches decode."""
+    c = reader()
+    c.offered(offer(), 0)
+    c.allocated(TID, LOCAL, D_BLOCKS, 0, 1)  # READ posted at 1: deadline 3, drained at 5
+    actions = _suspect(c, 1.2)
+    assert [type(a) for a in actions if isinstance(a, (Quarantine, FailTransfer, FreeBlocks))] == [Quarantine]
+    assert c.state_of(TID) is RState.QUARANTINED
+    assert not [a for a in c.tick(4.9) if isinstance(a, FreeBlocks)]
+    actions = c.tick(5.0)
+    assert AbortRead(TID) in actions and FreeBlocks(TID, D_BLOCKS) in actions
