@@ -56,6 +56,12 @@ class Config(BaseModel):
                                           description="added to fences: clock skew + tick interval")
     tombstone_s: float = Field(600.0, gt=0, le=86400,
                                description="ended transfers are remembered this long")
+    suspect_after_s: float = Field(3.0, ge=0.3, le=600,
+                                   description="D: a P rank that answers no probe for this long (or refuses "
+                                   "one, or answers as a restarted process) is gone: the requests waiting "
+                                   "on it go on at once (computed here, or failed, as the policy says); "
+                                   "their blocks stay fenced until P's writes can no longer land. Probes go "
+                                   "a third of this apart")
     secret_env: str = Field("NEURON_DISAGG_SECRET", min_length=1,
                             description="environment variable holding the deployment secret")
     secret_file: Path | None = Field(None, description="file holding the secret (used if set)")
@@ -164,8 +170,11 @@ class Config(BaseModel):
         return LenderTimeouts(self.max_read_s, self.clock_skew_allowance_s, self.tombstone_s)
 
     def reader_timeouts(self) -> ReaderTimeouts:
-        return ReaderTimeouts(self.max_read_s, self.clock_skew_allowance_s, self.tombstone_s)
+        return ReaderTimeouts(max_read_s=self.max_read_s, clock_skew_allowance_s=self.clock_skew_allowance_s,
+                              tombstone_s=self.tombstone_s, suspect_after_s=self.suspect_after_s)
 
     def consumer_timeouts(self) -> ConsumerTimeouts:
-        return ConsumerTimeouts(self.watchdog_s, self.admission_timeout_s, self.heartbeat_interval_s,
-                                self.max_write_s, self.clock_skew_allowance_s, self.tombstone_s)
+        return ConsumerTimeouts(watchdog_s=self.watchdog_s, admission_timeout_s=self.admission_timeout_s,
+                                heartbeat_interval_s=self.heartbeat_interval_s, max_write_s=self.max_write_s,
+                                clock_skew_allowance_s=self.clock_skew_allowance_s, tombstone_s=self.tombstone_s,
+                                suspect_after_s=self.suspect_after_s)

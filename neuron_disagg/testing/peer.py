@@ -18,7 +18,8 @@ and pull threads), then answers commands for the thread of its ``--mode``:
   {"op": "abort", "tid": [..], "reason": ".."}
   {"op": "stats"}
 
-Each reply is {"reply": <seq>, ...}; asynchronous events are {"event": "free"|"loaded"|"failed"}.
+Each reply is {"reply": <seq>, ...}; asynchronous events are {"event": "free"|"loaded"|"failed"|
+"quarantined"} (quarantined: D's load failed now, P being gone, and its blocks follow with "free").
 It is what the integration tests and the transfer benchmark run as real processes.
 """
 
@@ -45,7 +46,7 @@ from ..protocol.messages import PullOffer, RankRegions, Registration, TransferId
 from ..protocol.producer import ProducerTimeouts
 from ..protocol.reader import ReaderTimeouts
 from ..protocol.wire import WireCodec
-from ..transfer.outbox import Failed, Freed, Loaded
+from ..transfer.outbox import Failed, Freed, Loaded, Quarantined
 from ..transfer.rank import Rank, RankTimeouts
 from ..transfer.transport import InMemoryTransport, NixlTransport
 
@@ -76,8 +77,11 @@ class Peer:
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         timeouts = RankTimeouts(
             producer=ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60),
-            consumer=ConsumerTimeouts(args.watchdog_s, args.admission_s, args.heartbeat_s, args.max_write_s, 0.2, 60),
-            lender=LenderTimeouts(args.max_write_s, 0.2), reader=ReaderTimeouts(args.max_write_s))
+            consumer=ConsumerTimeouts(watchdog_s=args.watchdog_s, admission_timeout_s=args.admission_s,
+                                      heartbeat_interval_s=args.heartbeat_s, max_write_s=args.max_write_s,
+                                      clock_skew_allowance_s=0.2, tombstone_s=60, suspect_after_s=args.suspect_after_s),
+            lender=LenderTimeouts(args.max_write_s, 0.2),
+            reader=ReaderTimeouts(max_read_s=args.max_write_s, suspect_after_s=args.suspect_after_s))
         self.rank = Rank(
             args.role, rank, tp, self.regions, codec=self.codec, agent_name=self.agent,
             side_channel_host="127.0.0.1", side_channel_port=args.port,
@@ -122,6 +126,8 @@ class Peer:
                 self.emit({"event": "loaded", "tid": tid, "ms_since_allocate": latency})
             elif isinstance(result, Failed):
                 self.emit({"event": "failed", "tid": tid, "reason": result.reason})
+            elif isinstance(result, Quarantined):
+                self.emit({"event": "quarantined", "tid": tid, "reason": result.reason})
 
     def _inflight(self):
         for name in ("writes", "reads"):
@@ -224,6 +230,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--max-write-s", type=float, default=2.0)
+    parser.add_argument("--suspect-after-s", type=float, default=3.0,
+                        help="D: a P rank silent this long is gone (its transfers go on without their KV)")
     parser.add_argument("--clock-offset-s", type=float, default=0.0,
                         help="run this process's wall clock this far ahead (negative: behind) of the host's")
     return parser

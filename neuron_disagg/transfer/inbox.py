@@ -92,3 +92,14 @@ class PeerReady:
 
     agent: str
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeEnded:
+    """Peers' prober: rank ``rank`` at ``peer`` answered as ``incarnation``, or did not (``refused``:
+    nothing listens there, or the connection broke; else it timed out)."""
+
+    peer: str
+    rank: int
+    incarnation: str | None
+    refused: bool

@@ -33,6 +33,15 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class Quarantined:
+    """D: the KV of this transfer will not come and the request goes on without it now; its blocks
+    stay out of use (a late write may land in them) until ``Freed``."""
+
+    transfer_id: TransferId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Freed:
     """Either side: the threads are done with these blocks (P: sent or given up; D: fenced)."""
 
@@ -40,7 +49,7 @@ class Freed:
     block_ids: tuple[int, ...]
 
 
-Result = Loaded | Failed | Freed
+Result = Loaded | Failed | Quarantined | Freed
 
 
 class Outbox:

@@ -1,13 +1,16 @@
-"""Reaching peer ranks: agent handshakes on their own executor, and message sends that never block
-the thread that owns a transport. Shared by the push writer (P) and the push receiver (D)."""
+"""Reaching peer ranks: agent handshakes on their own executor, message sends that never block the
+thread that owns a transport, and D's probes of the P ranks it waits on (on an executor of their
+own, so a stopped P that leaves a probe hanging for ``probe_timeout_s`` delays no registration).
+Shared by every transfer thread."""
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from ..protocol.messages import AgentInfo, AgentInfoRequest, Message
+from ..protocol.messages import AgentInfo, AgentInfoRequest, Alive, Message, Probe
 from .side_channel import SideChannelClient, rank_address
 from .transport import MemorySpan, Transport
 
@@ -19,11 +22,13 @@ class Peers:
     outcome; the owner forwards it into its own inbox."""
 
     def __init__(self, transport: Transport, client: SideChannelClient, my_address: str,
-                 name: str, workers: int = 4):
+                 name: str, workers: int = 4, probe_timeout_s: float = 3.0):
         self.transport = transport
         self.client = client
         self.my_address = my_address
+        self.probe_timeout_s = probe_timeout_s
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"neuron-disagg-{name}-peers")
+        self._prober = ThreadPoolExecutor(workers, thread_name_prefix=f"neuron-disagg-{name}-probes")
         self._handshaking: set[str] = set()
         self.spans: dict[str, list[MemorySpan]] = {}  # what each peer agent told us it registered
         self.send_failures = 0
@@ -66,6 +71,29 @@ class Peers:
             log.warning("could not send %s for %s to %s rank %d: %s", type(message).__name__,
                         getattr(message, "transfer_id", "?"), address, rank, exc)
 
+    def probe(self, address: str, tp_rank: int, on_result: Callable[[str | None, bool], None]) -> None:
+        """Ask rank ``tp_rank`` at ``address`` whether it is there. ``on_result(incarnation, refused)``
+        on the prober: its ``Alive.incarnation``, or None and whether the connection was refused
+        (nothing listens, reset, unreachable) rather than left unanswered (timed out)."""
+
+        def run() -> None:
+            try:
+                reply = self.client.request(rank_address(address, tp_rank), Probe(time.time()),
+                                            timeout_s=self.probe_timeout_s)
+            except TimeoutError:  # socket.timeout: silence, which the core judges over time
+                on_result(None, False)
+                return
+            except Exception:  # refused, reset, closed unanswered, or an answer we cannot read
+                on_result(None, True)
+                return
+            if isinstance(reply, Alive) and reply.tp_rank == tp_rank:
+                on_result(reply.incarnation, False)
+            else:
+                on_result(None, True)
+
+        self._prober.submit(run)
+
     def shutdown(self) -> None:
+        self._prober.shutdown(wait=False, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.client.close()

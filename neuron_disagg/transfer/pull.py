@@ -17,7 +17,7 @@ import logging
 import time
 from collections import Counter
 
-from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, SubmitRead
+from ..protocol.actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, Quarantine, SubmitRead
 from ..protocol.errors import MessageError
 from ..protocol.messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId, Withdraw
 from ..protocol.lender import LenderCore
@@ -26,7 +26,7 @@ from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Deliver, Lend, Offered, PeerReady, ReadInto
 from .inflight import InFlight, Part
-from .outbox import Failed, Freed, Loaded, Outbox
+from .outbox import Failed, Freed, Loaded, Outbox, Quarantined
 from .peers import Peers
 from .transport import Transport
 from .thread import TransferThread
@@ -52,7 +52,9 @@ class PullReader(TransferThread):
             SubmitRead: self._submit, AbortRead: lambda a: self.reads.release(a.transfer_id),
             FinishLoad: lambda a: self.outbox.put(Loaded(a.transfer_id)),
             FailTransfer: self._failed,
+            Quarantine: lambda a: self.outbox.put(Quarantined(a.transfer_id, a.reason)),
             FreeBlocks: lambda a: self.outbox.put(Freed(a.transfer_id, a.block_ids))})
+        self._watches_peers()
 
     # -- engine side: queue puts only ---------------------------------------------------------------
     def offered(self, transfer_id: TransferId, frames: tuple[bytes, ...]) -> None:

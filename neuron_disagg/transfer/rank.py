@@ -18,6 +18,7 @@ memory (``staging.py``): "auto" falls back to them when registering fails, "alwa
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -25,8 +26,8 @@ from typing import Any, Callable, Literal, Sequence
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.lender import LenderCore, LenderTimeouts
 from ..protocol.messages import (
-    AgentInfo, AgentInfoRequest, Cancel, CancelAck, Heartbeat, Message, ReadFailed, Region, Registration,
-    Withdraw, WriteDone, WriteFailed, WriteStarting,
+    AgentInfo, AgentInfoRequest, Alive, Cancel, CancelAck, Heartbeat, Message, Probe, ReadFailed, Region,
+    Registration, Withdraw, WriteDone, WriteFailed, WriteStarting,
 )
 from ..protocol.producer import ProducerCore, ProducerTimeouts
 from ..protocol.reader import ReaderCore, ReaderTimeouts
@@ -85,6 +86,7 @@ class Rank:
             raise ValueError(f"a rank is a prefill or a decode rank, not {role!r}")
         self.role, self.tp_rank, self.tp_size, self.codec = role, tp_rank, tp_size, codec
         self.regions = tuple(regions)
+        self.alive = Alive(tp_rank, secrets.token_hex(8))  # what a probe hears: this process, not its address
         self.outbox = Outbox()
         self.wrong_role: Counter[str] = Counter()  # messages only the other role takes, by type
         self.target = transport(agent_name, backend, memory_type)
@@ -101,7 +103,8 @@ class Rank:
         self.address = advertised or self.server.address
 
         def peers(transport: Transport, kind: str) -> Peers:
-            return Peers(transport, SideChannelClient(codec), self.address, f"{role}{tp_rank}-{kind}")
+            return Peers(transport, SideChannelClient(codec), self.address, f"{role}{tp_rank}-{kind}",
+                         probe_timeout_s=timeouts.consumer.suspect_after_s)
 
         t = timeouts
         if role == "prefill":
@@ -146,6 +149,8 @@ class Rank:
         """The side-channel server's thread: a verified message, to the threads it is for."""
         if isinstance(message, AgentInfoRequest):
             return self.info
+        if isinstance(message, Probe):
+            return self.alive
         threads = self._routes.get(type(message))
         if threads is None:  # a peer that takes us for the other role (swapped addresses)
             self.wrong_role[type(message).__name__] += 1
@@ -178,6 +183,8 @@ class Rank:
         totals["messages_rejected"] = (sum(self.server.rejected.values()) + sum(self.wrong_role.values())
                                        + sum(sum(getattr(t, "rejected", {}).values()) for t in (self.push, self.pull)))
         totals["registrations_rejected"] = self.push.core.counters["registration_rejected"]
+        totals["landed_in_quarantine"] = (self.push.core.counters["landed_in_quarantine"]
+                                          + self.pull.core.counters["landed_in_quarantine"])
         totals["push_thread_cpu_us"] = int(self.push.cpu_seconds * 1e6)
         totals["pull_thread_cpu_us"] = int(self.pull.cpu_seconds * 1e6)
         initiator = self.push if self.role == "prefill" else self.pull  # whoever posts transfers

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from msgspec.structs import replace
 
-from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks
+from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, Quarantine
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
@@ -26,7 +26,7 @@ from ..protocol.messages import (
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
 from .inbox import Abort, Allocated, Deliver, Expect
-from .outbox import Failed, Freed, Loaded, Outbox
+from .outbox import Failed, Freed, Loaded, Outbox, Quarantined
 from .peers import Peers
 from .staging import HostStaging
 from .transport import Transport
@@ -50,7 +50,9 @@ class PushReceiver(TransferThread):
                                Deliver: self._deliver})
         self._performers.update({FinishLoad: lambda a: self._loaded(a.transfer_id),
                                  FailTransfer: self._failed,
+                                 Quarantine: self._quarantined,
                                  FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids)})
+        self._watches_peers()
 
     # -- called from other threads: queue puts only --------------------------------------------------
     def expect(self, transfer_id: TransferId, p_side_channel: str, p_tp_size: int) -> None:
@@ -157,6 +159,11 @@ class PushReceiver(TransferThread):
     def _failed(self, action: FailTransfer) -> None:
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
         self.outbox.put(Failed(action.transfer_id, action.reason))
+
+    def _quarantined(self, action: Quarantine) -> None:
+        log.warning("transfer %s goes on without its KV: %s; its blocks wait for their fence",
+                    action.transfer_id, action.reason)
+        self.outbox.put(Quarantined(action.transfer_id, action.reason))
 
     def _on_stop(self) -> None:
         self._abort_all("decode receiver shut down")

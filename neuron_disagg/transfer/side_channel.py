@@ -324,9 +324,10 @@ class SideChannelClient:
                     if attempt == 2:
                         raise
 
-    def request(self, addr: tuple[str, int], message: Message) -> Message:
-        """Send one message and read the single reply on a fresh connection."""
-        with socket.create_connection(addr, timeout=self.timeout_s) as sock:
+    def request(self, addr: tuple[str, int], message: Message, timeout_s: float | None = None) -> Message:
+        """Send one message and read the single reply on a fresh connection, each socket operation
+        within ``timeout_s`` (the client's by default)."""
+        with socket.create_connection(addr, timeout=timeout_s or self.timeout_s) as sock:
             write_frame(sock, self.codec.encode(message))
             frame = read_frame(sock, self.codec.max_message_bytes)
         if frame is None:

@@ -30,9 +30,10 @@ import traceback
 from collections import deque
 from typing import Any, Callable
 
-from ..protocol.actions import SendMessage, Transitioned
+from ..protocol.actions import ProbePeer, SendMessage, Transitioned
 from ..protocol.machine import StateMachine
 from ..timeline import OFF, Timeline
+from .inbox import ProbeEnded
 from .peers import Peers
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,22 @@ class TransferThread:
     def _log_transition(self, action: Transitioned) -> None:
         log.debug("transfer %s %s -> %s on %s%s", action.transfer_id, action.before, action.after,
                   action.event, f" ({action.reason})" if action.reason else "")
+
+    # -- D's threads: probing the P ranks their transfers wait on ----------------------------------------
+    def _watches_peers(self) -> None:
+        """For a thread whose core watches its peers (``protocol/liveness.py``)."""
+        self._performers[ProbePeer] = self._probe
+        self._handlers[ProbeEnded] = self._probe_ended
+
+    def _probe(self, action: ProbePeer) -> None:
+        self.peers.probe(action.peer, action.rank, lambda incarnation, refused: self._inbox.put(
+            ProbeEnded(action.peer, action.rank, incarnation, refused)))
+
+    def _probe_ended(self, item: ProbeEnded, now: float) -> None:
+        if item.incarnation is not None:
+            self._perform(self.core.probe_answered(item.peer, item.rank, item.incarnation, now))
+        else:
+            self._perform(self.core.probe_failed(item.peer, item.rank, item.refused, now))
 
     # -- for subclasses ---------------------------------------------------------------------------------
     def _busy(self) -> bool:

@@ -9,7 +9,13 @@ it is papered over here:
 
 - ``KVConnectorTransferResults`` / ``get_transfer_results`` and ``KVConnectorOutput.failed_recving``
   exist from 0.32 on. Before, runners call ``get_finished`` and a failed load can be reported only
-  as its blocks in ``get_block_ids_with_load_errors`` (``reports_failed_recving``).
+  as its blocks in ``get_block_ids_with_load_errors`` (``reports_failed_recving``); vLLM then keeps
+  the prompt computed up to the first failed block, in the same blocks. A load failed while its
+  blocks are quarantined must restart from nothing in fresh blocks, as 0.32+ does for any failed
+  load (``restart_failed_load``).
+- Every version in range binds the scheduler's block pool to the connector (``bind_gpu_block_pool``;
+  0.34 through ``bind_kv_cache_manager``) and carries each worker's ``build_connector_worker_meta``
+  to the scheduler side, added up across workers (``worker_meta``).
 - KV geometry: backends up to 0.28 (and the Neuron plugin's) declare ``get_kv_cache_shape``; from
   0.29 every layer is vLLM's own ``(blocks, heads, tokens, content)`` view (``kv_dims``).
 - A preempted request scheduled again comes back among the cached requests with all its blocks
@@ -92,6 +98,8 @@ API = {
     "get_handshake_metadata": (),
     "set_xfer_handshake_metadata": ("metadata",),
     "has_pending_push_work": (),
+    "bind_gpu_block_pool": ("gpu_block_pool",),
+    "build_connector_worker_meta": (),
     "get_required_kvcache_layout": ("vllm_config",),
     "build_kv_connector_stats": ("data",),
     "build_prom_metrics": ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"),
@@ -188,6 +196,26 @@ def failed_loads(output: Any, registered: dict[str, tuple[int, ...]]) -> set[str
         return set(getattr(output, "failed_recving", None) or ())
     invalid = set(getattr(output, "invalid_block_ids", None) or ())
     return {request_id for request_id, blocks in registered.items() if invalid.intersection(blocks)}
+
+
+# -- quarantined blocks ------------------------------------------------------------------------------------
+def kv_cache_blocks(blocks: Any) -> list[Any]:
+    """The KVCacheBlock objects of a request's allocation (``update_state_after_alloc``), one group."""
+    return list(blocks.blocks[0])
+
+
+def worker_meta(output: Any) -> Any:
+    """What the workers said with this step's output (their ``build_connector_worker_meta``), or None."""
+    return getattr(output, "kv_connector_worker_meta", None)
+
+
+def restart_failed_load(request: Any) -> None:
+    """Scheduler side, as vLLM takes a failed load: the request computes its whole prompt again, so
+    vLLM frees every block it holds and allocates fresh ones (a local prefix hit is found again in
+    the prefix cache). vLLM 0.32+ does so for every failed load; older vLLM keeps what precedes the
+    first failed block, in the same blocks, which for quarantined blocks are out of bounds."""
+    if not reports_failed_recving():
+        request.num_computed_tokens = 0
 
 
 # -- KV geometry -----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from ..protocol.wire import WireCodec
 from ..timeline import Timeline
 from . import compat
 from .decode import DecodeScheduler, DecodeWorker
-from .metadata import RankHandshake, StepMetadata
+from .metadata import QuarantineNotices, RankHandshake, StepMetadata
 from .neuron_plugin import refuse_unsupported_platform
 from .prefill import OfferMaker, PrefillScheduler, PrefillWorker
 from .stats import ConnectorPromMetrics, ConnectorStats, empty
@@ -131,8 +131,14 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         return self.worker_side.handshake() if self.worker_side is not None else None
 
     def has_pending_push_work(self) -> bool:
-        """Scheduler: keep stepping while P holds blocks for the writer, so their frees are seen."""
+        """Scheduler: keep stepping while P holds blocks for the writer, or D keeps blocks in
+        quarantine, so that the workers' word that frees them is seen."""
         return self.scheduler_side.has_pending_push_work()
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """Scheduler, at start-up: vLLM's block pool, where D keeps quarantined blocks out of use."""
+        if isinstance(self.scheduler_side, DecodeScheduler):
+            self.scheduler_side.bind_block_pool(gpu_block_pool)
 
     def may_load_async(self, request) -> bool:
         """Scheduler (vLLM 0.34+), as a request is queued: D's legs load asynchronously, so they may
@@ -200,6 +206,12 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             self.worker_side.step_us.append(wall * 1e6)
             self.worker_side.step_cpu_us.append(cpu * 1e6)
         return sending, recving, failed
+
+    def build_connector_worker_meta(self) -> QuarantineNotices | None:
+        """Worker, each step after the results: D's word on quarantined blocks for the scheduler side."""
+        if isinstance(self.worker_side, DecodeWorker):
+            return self.worker_side.worker_meta()
+        return None
 
     def get_kv_connector_stats(self) -> ConnectorStats | None:
         """Worker, each step: counters since the last call, for vLLM's stats and /metrics.

@@ -15,6 +15,7 @@ import base64
 import enum
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from .. import kv_params as leg_params
@@ -22,7 +23,7 @@ from ..protocol.messages import RankRegions, Registration, TransferId
 from . import compat
 from .failures import router_transfer_id
 from .legs import END, Leg, LegEvent, SchedulerSide
-from .metadata import Abort, AllocatedBlocks, Expect, ReadOffer, StepMetadata
+from .metadata import Abort, AllocatedBlocks, Expect, QuarantineNotices, ReadOffer, StepMetadata
 from .worker import TransferRecord, TransferState, WorkerSide
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,26 @@ DECODE_TABLE: dict[tuple[DecodeState, LegEvent], DecodeState | None] = {
 }
 
 
+@dataclass
+class _Quarantine:
+    """A failed load's blocks, kept out of vLLM's pool (one reference of ours on each) until every
+    worker that holds them in quarantine released them."""
+
+    blocks: list[Any]  # vLLM's KVCacheBlock objects
+    since: float       # monotonic
+    held: int = 0      # workers that said the blocks wait for their fence
+    released: int = 0  # of those, the ones that said they no longer do
+
+
 class DecodeScheduler(SchedulerSide):
     role, TABLE, HOLDING = "decode", DECODE_TABLE, frozenset({_D.LOADING, _D.ABORTING})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.block_pool: Any = None  # vLLM's, bound at start-up (bind_gpu_block_pool)
+        self.notes: dict[str, _Quarantine] = {}        # request -> what workers said, until its load ends
+        self.quarantine: dict[str, _Quarantine] = {}   # request -> the blocks we keep from vLLM's pool
+        self._quarantine_changed = False
 
     def _new_leg(self, request, parsed: leg_params.LegParams, key: TransferId) -> Leg:
         sibling = self.owner.get(key) in self.legs or key in self.ended  # has, is getting or got its KV
@@ -109,6 +128,8 @@ class DecodeScheduler(SchedulerSide):
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
         allocated = AllocatedBlocks(leg.key, request.request_id, block_ids, first)
         leg.block_ids = block_ids
+        leg.kv_blocks = list(compat.kv_cache_blocks(blocks)[first:prompt_blocks])
+        leg.request = request
         if leg.params.mode == "push":
             self._step.register.append(allocated)
         else:  # the worker picks the offer for this prompt's transfer
@@ -135,18 +156,69 @@ class DecodeScheduler(SchedulerSide):
         return self._take_step(scheduler_output)
 
     def update_connector_output(self, output) -> None:
+        """Before vLLM acts on the step's loads. A failed load whose blocks a worker still holds in
+        quarantine (P gone: the request goes on now) keeps them from vLLM's pool: vLLM frees the
+        request's blocks and computes it in fresh ones (``compat.restart_failed_load``), while ours
+        wait, with one reference of ours each, until every worker released them."""
+        notices = compat.worker_meta(output)
+        if notices is not None:
+            self._note(notices)
         failed = compat.failed_loads(output, {leg.request_id: leg.block_ids for leg in self.legs.values()
                                               if leg.state is _D.LOADING})
         for request_id in output.finished_recving or ():
             leg = self.legs.get(request_id)
-            if leg is not None:
-                self._fire(leg, _E.LOAD_FAILED if request_id in failed else _E.LOADED)
-                if leg.state is _D.LOADED:
-                    self.timeline.mark(leg.key, "d_loaded")
-                    leg.awaiting_first_step = self.timeline.enabled
+            note = self.notes.pop(request_id, None)
+            if leg is None:
+                continue
+            if note is not None and note.held > note.released and leg.kv_blocks:
+                # Whether vLLM goes on computing the request or, under the fail policy, ended it already.
+                self._hold(leg, note)
+            self._fire(leg, _E.LOAD_FAILED if request_id in failed else _E.LOADED)
+            if leg.state is _D.LOADED:
+                self.timeline.mark(leg.key, "d_loaded")
+                leg.awaiting_first_step = self.timeline.enabled
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+
+    def _note(self, notices) -> None:
+        for request_id in notices.held:
+            self.notes.setdefault(request_id, _Quarantine([], time.monotonic())).held += 1
+        for request_id in notices.released:
+            held = self.quarantine.get(request_id) or self.notes.get(request_id)
+            if held is None:
+                continue
+            held.released += 1
+            if request_id in self.quarantine and held.released >= held.held:
+                self._release(request_id)
+
+    def _hold(self, leg: Leg, note: _Quarantine) -> None:
+        for block in leg.kv_blocks:
+            block.ref_cnt += 1  # vLLM's free of the request leaves these out of its free queue
+        note.blocks = leg.kv_blocks
+        self.quarantine[leg.request_id] = note
+        self._quarantine_changed = True
+        self.counts["blocks_quarantined"] += len(note.blocks)
+        if leg.state is _D.LOADING and leg.request is not None:
+            compat.restart_failed_load(leg.request)
+
+    def _release(self, request_id: str) -> None:
+        held = self.quarantine.pop(request_id)
+        self.block_pool.free_blocks(held.blocks)
+        self._quarantine_changed = True
+        self.counts["quarantined_block_seconds"] += len(held.blocks) * (time.monotonic() - held.since)
 
     def has_pending_push_work(self) -> bool:
-        return False  # D owes no writes
+        """D owes no writes, but while it keeps blocks in quarantine the engine must keep stepping:
+        the workers' word that frees them comes only with a step's output."""
+        return bool(self.quarantine)
+
+    def stats(self) -> dict[str, Any] | None:
+        out = super().stats() or {}
+        if self._quarantine_changed:
+            self._quarantine_changed = False
+            out["quarantined_blocks"] = sum(len(q.blocks) for q in self.quarantine.values())
+        return out or None
 
     def _mark_first_steps(self, scheduled: dict[str, int]) -> None:
         """Timeline on: loaded requests this step schedules. From their ``d_loaded`` to here is vLLM's
@@ -170,6 +242,7 @@ class DecodeWorker(WorkerSide):
         self._no_forward = False   # the step in hand runs no forward (StepMetadata.no_forward)
         self._reported = False     # the last transfer_results reported something
         self._told_reasons: dict[str, str] = {}  # policy fail: router transfer id -> why
+        self._notices = QuarantineNotices()  # for the scheduler side, with the next step's output
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""
@@ -181,13 +254,13 @@ class DecodeWorker(WorkerSide):
         for expected in step.expect:
             rank.push.expect(expected.transfer_id, expected.p_side_channel, expected.p_tp_size)
         for alloc in step.register:
-            self._track(alloc.transfer_id, alloc.request_id)
+            self._track(alloc.transfer_id, alloc.request_id, alloc.block_ids)
             rank.push.allocated(Registration(
                 alloc.transfer_id, self.engine_id, alloc.request_id, self.address, self.tp_size,
                 (self.rank_regions,), alloc.block_ids, alloc.first_block_index, 0.0), fence)
         for read in step.read:
             alloc = read.allocated
-            self._track(alloc.transfer_id, alloc.request_id)
+            self._track(alloc.transfer_id, alloc.request_id, alloc.block_ids)
             if rank.staging:
                 record = self._transfers[alloc.transfer_id]
                 self._failed(alloc.transfer_id, record, f"{PULL_NEEDS_REGISTERED_KV}; use push")
@@ -235,10 +308,18 @@ class DecodeWorker(WorkerSide):
         if not ended:
             self.failed_blocks = set()
             return set(), set(), set()
-        records = [self._transfers.pop(tid) for tid in ended]
+        records = [self._report(tid) for tid in ended]
         failed = [r for r in records if r.failure is not None]
         self.failed_blocks = {b for r in failed for b in r.released_blocks}
         return set(), {r.request_id for r in records}, {r.request_id for r in failed}
+
+    def _report(self, tid: TransferId) -> TransferRecord:
+        """The record of a transfer vLLM is told of now: forgotten, unless its blocks are quarantined."""
+        record = self._transfers[tid]
+        if record.state is TransferState.QUARANTINED:
+            record.reported = True
+            return record
+        return self._transfers.pop(tid)
 
     def _loaded(self, tid: TransferId, record: TransferRecord) -> None:
         self._totals["transfers"] += 1
@@ -252,6 +333,29 @@ class DecodeWorker(WorkerSide):
         if not self.recompute:  # the request fails: its client learns why (failures.py)
             self._told_reasons[router_transfer_id(tid)] = reason
         log.warning("request %s (transfer %s) gets no KV: %s", record.request_id, tid, reason)
+
+    def _quarantined(self, tid: TransferId, record: TransferRecord, reason: str) -> None:
+        """The request goes on without its KV now: vLLM hears that the load failed in this step, and
+        our scheduler side keeps the blocks out of vLLM's pool until this worker releases them."""
+        self._failed(tid, record, reason)
+        self._totals["quarantines"] += 1
+        record.state = TransferState.QUARANTINED
+        record.released_blocks = record.block_ids  # vLLM < 0.32 learns of a failed load by its blocks
+        self._unreported.append(tid)
+        self._notices.held.append(record.request_id)
+
+    def _released(self, tid: TransferId, record: TransferRecord) -> None:
+        """The quarantined blocks' fence passed, or P confirmed: no write of P's can land in them now."""
+        self._notices.released.append(record.request_id)
+        if record.reported:
+            del self._transfers[tid]
+        else:  # quarantined and released before vLLM heard: report it as a failure, as usual
+            record.state = TransferState.ENDED
+
+    def worker_meta(self) -> QuarantineNotices | None:
+        """What this step's output tells the scheduler side about quarantined blocks."""
+        notices, self._notices = self._notices, QuarantineNotices()
+        return notices or None
 
     def _told(self) -> dict[str, str]:
         told, self._told_reasons = self._told_reasons, {}

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .. import kv_params as leg_params
@@ -115,6 +115,8 @@ class Leg:
     # as the router sends), whose blocks are followed from the scheduler's output since it started.
     early: bool = False
     awaiting_first_step: bool = False  # D, timeline on: loaded and not yet scheduled
+    kv_blocks: list[Any] = field(default_factory=list)  # D: vLLM's KVCacheBlock objects behind block_ids
+    request: Any = None  # D: vLLM's request, whose failed load restarts in fresh blocks (compat)
 
 
 class SchedulerSide:

@@ -1,4 +1,4 @@
-"""What the scheduler side tells the worker side each engine step.
+"""What the scheduler side tells the worker side each engine step, and what the workers tell it back.
 
 vLLM pickles this object from the engine-core process to every worker process; it carries only
 plain values (no sockets, no tensors). Each list holds the step's new work for the transfer threads;
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata, KVConnectorMetadata,
+    KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata,
 )
 
 from ..protocol.messages import PullOffer, RankRegions, TransferId
@@ -82,3 +82,23 @@ class RankHandshake(KVConnectorHandshakeMetadata):
     """Worker -> scheduler at start-up: this rank's agent and KV regions (pull offers list them)."""
 
     rank_regions: RankRegions
+
+
+@dataclass
+class QuarantineNotices(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, with a step's output (vLLM adds up every worker's): D requests whose load
+    a worker reported failed while their blocks still wait for their fence (``held``), and those
+    whose blocks a worker has since released (``released``). The scheduler keeps a request's blocks
+    out of vLLM's pool until every worker that held them released them."""
+
+    held: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "QuarantineNotices":
+        if isinstance(other, QuarantineNotices):
+            self.held += other.held
+            self.released += other.released
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.held or self.released)

@@ -46,6 +46,12 @@ COUNTS = {
     "landing_wait_us": "D: time the engine loop spent in those waits, microseconds (steps that compute nothing; "
                        "not in neuron_disagg_connector_step_seconds)",
     "lease_expiries": "P leases that expired: push with no registration or heartbeat, pull with no read",
+    "quarantines": "D: loads given up on because P was gone (refused or unanswered probes, a restart): the request "
+                   "went on at once while the blocks P may still write into waited for their fence",
+    "landed_in_quarantine": "D: P's writes (or D's reads) that landed in blocks already quarantined; never decoded",
+    "blocks_quarantined": "D: blocks kept out of vLLM's pool in quarantine, summed over quarantines",
+    "quarantined_block_seconds": "D: blocks kept in quarantine times the seconds each was kept (divide by "
+                                 "neuron_disagg_quarantines_total for the cost of one)",
     "agent_resets": "initiator NIXL agents replaced after a failed transfer (LIBFABRIC: a dead peer poisons the old one)",
     "push_thread_cpu_us": "CPU time of the push thread (P: the writer; D: the receiver), microseconds",
     "pull_thread_cpu_us": "CPU time of the pull thread (P: the lender; D: the reader), microseconds",
@@ -96,7 +102,7 @@ class ConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (any(d["counts"].values()) or d["failures"] or d.get("recomputed") or d["write_ms"]
-                    or d["step_us"] or "held_blocks" in d or d.get("failed_requests"))
+                    or d["step_us"] or "held_blocks" in d or "quarantined_blocks" in d or d.get("failed_requests"))
 
     def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
         mine, theirs = self.data, other.data
@@ -107,8 +113,9 @@ class ConnectorStats(KVConnectorStats):
         for series in ("step_us", "step_cpu_us"):
             mine[series] = mine.get(series, []) + list(theirs.get(series, []))
         mine["failed_requests"] = {**mine.get("failed_requests", {}), **theirs.get("failed_requests", {})}
-        if "held_blocks" in theirs:  # a gauge: the latest value wins
-            mine["held_blocks"] = theirs["held_blocks"]
+        for gauge in ("held_blocks", "quarantined_blocks"):  # the latest value wins
+            if gauge in theirs:
+                mine[gauge] = theirs[gauge]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -118,8 +125,9 @@ class ConnectorStats(KVConnectorStats):
         out["connector_us_per_step_p50"] = round(_median(d["step_us"]), 1)
         out["connector_cpu_us_per_step_p50"] = round(_median(d.get("step_cpu_us", [])), 1)
         out["recomputed"] = sum(d.get("recomputed", {}).values())
-        if "held_blocks" in d:
-            out["held_blocks"] = d["held_blocks"]
+        for gauge in ("held_blocks", "quarantined_blocks"):
+            if gauge in d:
+                out[gauge] = d[gauge]
         return out
 
 
@@ -160,12 +168,17 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             "neuron_disagg_held_blocks", "KV blocks the connector holds for transfers (P: handed to the "
             "writer; D: registered for P's write, or fenced); back to 0 when nothing is in flight",
             labelnames=labelnames, multiprocess_mode="mostrecent")
+        self._quarantined = self._gauge_cls(
+            "neuron_disagg_quarantined_blocks", "D: KV blocks kept out of vLLM's pool because a P that is gone "
+            "may still write into them; back to 0 once their fences pass", labelnames=labelnames,
+            multiprocess_mode="mostrecent")
         # What the router checks each instance against (router/health.py): 1 for the role it runs.
         self._role_gauge = self._gauge_cls(
             "neuron_disagg_role", "the role this instance's connector runs (1): prefill or decode",
             labelnames=labelnames, multiprocess_mode="mostrecent")
         for labels in per_engine_labelvalues.values():
             self._held.labels(*labels, self._role).set(0)
+            self._quarantined.labels(*labels, self._role).set(0)
             self._role_gauge.labels(*labels, self._role).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -184,4 +197,6 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
                 histogram.labels(*labels, self._role).observe(us / 1e6)
         if "held_blocks" in transfer_stats_data:
             self._held.labels(*labels, self._role).set(transfer_stats_data["held_blocks"])
+        if "quarantined_blocks" in transfer_stats_data:
+            self._quarantined.labels(*labels, self._role).set(transfer_stats_data["quarantined_blocks"])
         remember(transfer_stats_data.get("failed_requests") or {})

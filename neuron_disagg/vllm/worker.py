@@ -21,7 +21,7 @@ from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
 from ..protocol.messages import RankRegions, TransferId
 from ..protocol.wire import WireCodec
 from ..timeline import Timeline
-from ..transfer.outbox import Failed, Freed, Loaded, Result
+from ..transfer.outbox import Failed, Freed, Loaded, Quarantined, Result
 from ..transfer.rank import Rank, RankTimeouts, StagingSpec
 from .metadata import RankHandshake, StepMetadata
 from .stats import Deltas
@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
-    IN_THREADS = "in_threads"  # the transfer threads hold its blocks
-    FAILING = "failing"        # D: its KV will not come; its blocks wait for their fence (I2)
-    ENDED = "ended"            # the threads are done with it; vLLM has not been told yet
+    IN_THREADS = "in_threads"    # the transfer threads hold its blocks
+    FAILING = "failing"          # D: its KV will not come; its blocks wait for their fence (I2)
+    QUARANTINED = "quarantined"  # D: told vLLM the load failed; its blocks still wait for their fence
+    ENDED = "ended"              # the threads are done with it; vLLM has not been told yet
 
 
 @dataclass
@@ -42,8 +43,10 @@ class TransferRecord:
     request_id: str
     state: TransferState = TransferState.IN_THREADS
     failure: str | None = None           # D: why the KV will not come
+    block_ids: tuple[int, ...] = ()      # D: the blocks allocated for it
     released_blocks: tuple[int, ...] = ()
     finished_by_vllm: bool = False       # P: vLLM listed the request finished (it takes only those)
+    reported: bool = False               # D, quarantined: vLLM has been told the load failed
 
 
 class WorkerSide:
@@ -109,13 +112,13 @@ class WorkerSide:
         """(finished sending, finished receiving, failed receiving) since the last call."""
         raise NotImplementedError
 
-    def _track(self, tid: TransferId, request_id: str) -> None:
+    def _track(self, tid: TransferId, request_id: str, block_ids: tuple[int, ...] = ()) -> None:
         """Before the threads hear of a transfer, so that what they report finds its record."""
         if tid in self._transfers:  # the scheduler side hands each transfer over once
             self._totals["connector_bugs"] += 1
             log.error("transfer %s handed to the threads twice (a bug; the first record kept)", tid)
             return
-        self._transfers[tid] = TransferRecord(request_id)
+        self._transfers[tid] = TransferRecord(request_id, block_ids=block_ids)
 
     def _take_results(self) -> None:
         """What the threads reported since the last step, into the records, in order."""
@@ -126,7 +129,13 @@ class WorkerSide:
         record = self._transfers.get(result.transfer_id)
         if record is None or record.state is TransferState.ENDED:
             return  # a late duplicate (a transfer ends once)
-        if isinstance(result, Freed):
+        if record.state is TransferState.QUARANTINED:
+            if isinstance(result, Freed):  # vLLM was told the load failed; now its scheduler may reuse the blocks
+                self._released(result.transfer_id, record)
+            return
+        if isinstance(result, Quarantined) and record.state is TransferState.IN_THREADS:
+            self._quarantined(result.transfer_id, record, result.reason)
+        elif isinstance(result, Freed):
             record.released_blocks = result.block_ids  # a failed load: vLLM < 0.32 learns of it by these
             self._ended(result.transfer_id)
         elif isinstance(result, Loaded):
@@ -142,6 +151,12 @@ class WorkerSide:
         raise NotImplementedError(f"a {self.role} rank loads nothing")
 
     def _failed(self, tid: TransferId, record: TransferRecord, reason: str) -> None:
+        raise NotImplementedError(f"a {self.role} rank loads nothing")
+
+    def _quarantined(self, tid: TransferId, record: TransferRecord, reason: str) -> None:
+        raise NotImplementedError(f"a {self.role} rank loads nothing")
+
+    def _released(self, tid: TransferId, record: TransferRecord) -> None:
         raise NotImplementedError(f"a {self.role} rank loads nothing")
 
     # -- metrics -----------------------------------------------------------------------------------------

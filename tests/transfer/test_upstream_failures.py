@@ -7,6 +7,7 @@ tests/integration/test_upstream_restarts.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -141,3 +142,52 @@ def test_vllm_58222_held_kv_whose_lease_ran_out_is_freed_in_time_under_churn(ran
             d.wait("loaded", tid)
         _blocks_back_once(p, tid, src)
     assert p.stats()["live"] == 0 and p.stats()["outstanding_blocks"] == 0
+
+
+@pytest.mark.slow  # waits out each fence: about 4 s a case
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fault", ["refused", "silent"])
+def test_a_prefill_gone_mid_transfer_lets_the_request_go_on_in_seconds_and_its_blocks_wait_for_their_fence(
+        ranks, mode, fault):
+    """P dies (its side channel refuses D's probes) or stops (it answers none) while D waits on it:
+    before, D waited out its watchdog and then its fence (push) or a READ's deadline twice (pull)
+    before the request could go on. Now the load fails within suspect_after_s and a probe, while
+    the blocks stay D's until their fence, since a P that was only stopped may still write."""
+    suspect_s, watchdog_s, max_write_s = 0.6, 4.0, 1.0 if mode == "push" else 2.0
+    # P's own registration watchdog outlasts D's fence: a P that gives up tells D, which may then free early.
+    p = ranks("prefill", "--mode", mode, "--lease-s", "20", "--watchdog-s", "20")
+    d = ranks("decode", "--mode", mode, "--watchdog-s", str(watchdog_s), "--max-write-s", str(max_write_s),
+              "--suspect-after-s", str(suspect_s))
+    tid = ("p-gone", 0)
+    if mode == "push":
+        _register(d, p, tid, [4, 5])
+        registered = time.monotonic()
+    else:
+        _warm_read(p, d)
+        d.peer.transport.stall_posts_to.add(p.peer.agent)  # the READ is in flight when P goes
+        _lend_and_read(p, d, tid, [2, 3], [4, 5])
+        _until(lambda: d.peer.thread.reads, "the READ never started")
+        registered = time.monotonic()
+    time.sleep(suspect_s + 0.2)  # P answers D's probes meanwhile: a live P is never suspected
+    assert not d.events_of("quarantined") and not d.events_of("failed")
+    release = threading.Event()
+    if fault == "refused":
+        p.peer.server.close()
+    else:  # its side-channel thread stops answering, as a SIGSTOPped process's would
+        p.peer.server.on_message = lambda message: release.wait(30)
+    gone = time.monotonic()
+    try:
+        quarantined = d.wait("quarantined", tid, timeout=watchdog_s)
+        took = quarantined["seen_at"] - gone
+        assert took < (0.5 if fault == "refused" else suspect_s + 0.5), f"took {took:.2f} s"
+        assert ("unreachable" if fault == "refused" else "silent") in quarantined["reason"], quarantined
+        freed = d.wait("free", tid, timeout=watchdog_s + 3 * max_write_s + 2)
+        # push: not before the registration expired, when P (alive here, only cut off) says it wrote
+        # nothing, else its fence; pull: the READ's deadline (max_read_s after its post) and as long again.
+        kept = (registered + watchdog_s) if mode == "push" else (registered + 2 * max_write_s)
+        assert freed["seen_at"] >= kept - 0.3, f"freed {kept - freed['seen_at']:.2f} s too early"
+    finally:
+        release.set()
+    _blocks_back_once(d, tid, [4, 5])
+    assert not [e for e in d.events_of("loaded") if e["tid"] == list(tid)]
+    assert d.peer.thread._thread.is_alive()

@@ -25,6 +25,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from neuron_disagg.demo import tiny_model
+from neuron_disagg.vllm.metadata import QuarantineNotices
 
 BLOCK = 16
 TOKEN = 7  # what every "forward" samples
@@ -103,20 +104,24 @@ class Engine:
         self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
 
     # -- steps -----------------------------------------------------------------------------------------
-    def step(self, *, sent=(), loaded=(), failed=()) -> Step:
+    def step(self, *, sent=(), loaded=(), failed=(), held=(), released=()) -> Step:
         """One engine step: schedule, "run" it, and feed vLLM the model's output and what the workers
         report (``sent``: P's requests whose blocks the writer released; ``loaded``: D's requests
-        whose KV arrived; ``failed``: D's loads that will not arrive, also in ``loaded``)."""
+        whose KV arrived; ``failed``: D's loads that will not arrive, also in ``loaded``; ``held``
+        and ``released``: D's requests whose blocks a worker holds in quarantine, or no longer does)."""
         output = self.scheduler.schedule()
         sampled = [rid for rid in output.num_scheduled_tokens
                    if (r := self.scheduler.requests.get(rid)) is not None and r.num_computed_tokens >= r.num_tokens]
         recving = set(loaded) | set(failed)
-        failed_blocks = {b for rid in failed for b in self.blocks_of(rid)}
+        # As the workers say it to vLLM < 0.32: the blocks registered for the load (a prefix hit's are not).
+        failed_blocks = {b for rid in failed for b in (
+            self.side.legs[rid].block_ids if rid in getattr(self.side, "legs", {}) else self.blocks_of(rid))}
         connector_output = None
-        if sent or recving:
+        if sent or recving or held or released:
+            notices = QuarantineNotices(list(held), list(released)) or None
             connector_output = build(KVConnectorOutput, finished_sending=set(sent) or None,
                                      finished_recving=recving or None, failed_recving=set(failed),
-                                     invalid_block_ids=failed_blocks)
+                                     invalid_block_ids=failed_blocks, kv_connector_worker_meta=notices)
         req_ids = list(output.num_scheduled_tokens)
         model_output = build(ModelRunnerOutput, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[TOKEN] if r in sampled else [] for r in req_ids],

@@ -9,6 +9,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 from neuron_disagg.platforms.kv_layout import BLOCKS, HEAD, HEADS, KV, TOKENS  # noqa: E402
@@ -100,7 +103,7 @@ def test_scheduler_side_fails_a_load_from_invalid_blocks_on_older_vllm(monkeypat
                           "p_side_channel": "127.0.0.1:1", "p_tp_size": 1})
     request = FakeRequest(request_id="d1", prompt_token_ids=list(range(40)), kv_transfer_params=params)
     assert side.get_num_new_matched_tokens(request, 0) == (40, True)
-    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([5, 6, 9],)), 40)
+    side.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in (5, 6, 9)],)), 40)
     side.update_connector_output(SimpleNamespace(finished_recving={"d1"}, finished_sending=set(),
                                                  invalid_block_ids={6}))
     assert side.legs["d1"].state is DecodeState.FAILED

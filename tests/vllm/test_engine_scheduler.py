@@ -114,6 +114,68 @@ def test_a_failed_load_is_recomputed_by_decode_and_registers_nothing_again():
     assert d.free_blocks == free and not d.side.legs
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "fail"])
+def test_a_quarantined_load_goes_on_at_once_while_its_blocks_stay_out_of_vllms_pool_until_released(recompute):
+    """P is gone: the worker reports the load failed now and holds its blocks in quarantine (a write
+    from a P that was only paused may still land). vLLM computes the prompt in fresh blocks, or
+    fails it, at once; the registered blocks go back to its pool only when the worker releases them."""
+    d = Engine("decode", recompute=recompute)
+    free = d.free_blocks
+    r = d.add(PROMPT, push_d(f"quarantined-{recompute}#0"), max_tokens=2)
+    (registered,) = d.step().metadata.register
+    quarantined = set(registered.block_ids)
+    d.step(failed={r.request_id}, held={r.request_id})
+    assert d.connector.has_pending_push_work() is True
+    assert [len(q.blocks) for q in d.side.quarantine.values()] == [3]
+    for _ in range(6):
+        d.step()
+        assert not quarantined & set(d.blocks_of(r.request_id)), "recomputed into quarantined blocks"
+    assert r.status.name == ("FINISHED_LENGTH_CAPPED" if recompute else "FINISHED_ERROR")
+    assert d.free_blocks == free - len(quarantined), "the quarantined blocks went back to vLLM's pool"
+    other = d.add(OTHER, None, max_tokens=1)
+    d.step()
+    assert not quarantined & set(d.blocks_of(other.request_id)), "another request got a quarantined block"
+    d.step(released={r.request_id})
+    for _ in range(3):
+        d.step()
+    assert d.free_blocks == free and not d.side.legs and not d.side.quarantine
+    assert d.connector.has_pending_push_work() is False
+
+
+def test_a_quarantined_load_after_a_local_prefix_hit_is_computed_whole_in_fresh_blocks():
+    """D held the prompt's first blocks in its prefix cache and registered only the rest: vLLM older
+    than 0.32 would keep the hit and compute the rest into the very blocks P may still write."""
+    d = Engine("decode")
+    warm = d.add(PROMPT[:2 * BLOCK], None, max_tokens=1)
+    for _ in range(3):
+        d.step()
+    assert warm.status.name == "FINISHED_LENGTH_CAPPED"
+    r = d.add(PROMPT, push_d("quarantined-hit#0"), max_tokens=2)
+    (registered,) = d.step().metadata.register
+    assert registered.first_block_index == 2, "the hit was not local"
+    quarantined = set(registered.block_ids)
+    d.step(failed={r.request_id}, held={r.request_id})
+    for _ in range(6):
+        d.step()
+        assert not quarantined & set(d.blocks_of(r.request_id)), "recomputed into quarantined blocks"
+    assert r.status.name == "FINISHED_LENGTH_CAPPED"
+    d.step(released={r.request_id})
+    assert not d.side.quarantine
+
+
+def test_quarantined_blocks_released_before_vllm_heard_of_the_failure_are_never_held():
+    """Two workers: one released before the other reported its part of the load; nothing waits."""
+    d = Engine("decode")
+    free = d.free_blocks
+    r = d.add(PROMPT, push_d("released-early#0"), max_tokens=1)
+    d.step()
+    d.step(held={r.request_id}, released={r.request_id})
+    d.step(failed={r.request_id})
+    for _ in range(4):
+        d.step()
+    assert not d.side.quarantine and d.free_blocks == free
+
+
 def test_a_pull_decode_leg_reads_the_offer_for_its_own_prompt():
     d = Engine("decode")
     offers = [base64.b64encode(b"offer one").decode(), base64.b64encode(b"offer two").decode()]

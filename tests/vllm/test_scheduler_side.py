@@ -9,6 +9,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+
 from neuron_disagg.vllm.decode import DECODE_TABLE, DecodeScheduler, DecodeState  # noqa: E402
 from neuron_disagg.vllm.legs import END, LegEvent, transfer_key  # noqa: E402
 from neuron_disagg.vllm.prefill import PREFILL_TABLE, PrefillScheduler, PrefillState  # noqa: E402
@@ -32,7 +35,8 @@ def request(request_id, tokens, params, status="RUNNING"):
 
 
 def blocks(*ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+    """An allocation as vLLM hands it over: its own KVCacheBlocks of KVCacheBlock objects, in use."""
+    return KVCacheBlocks(([KVCacheBlock(i, ref_cnt=1) for i in ids],))
 
 
 def output(recving=(), sending=(), failed=(), failed_blocks=(5, 6, 7)):

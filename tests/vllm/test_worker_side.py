@@ -17,13 +17,13 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/set
 from neuron_disagg.config import Config  # noqa: E402
 from neuron_disagg.protocol import RankRegions, Registration, TransferId  # noqa: E402
 from neuron_disagg.timeline import OFF  # noqa: E402
-from neuron_disagg.transfer.outbox import Failed, Freed, Loaded  # noqa: E402
+from neuron_disagg.transfer.outbox import Failed, Freed, Loaded, Quarantined  # noqa: E402
 from neuron_disagg.transfer.rank import Rank  # noqa: E402
 from neuron_disagg.transfer.thread import TransferThread, TransferThreadDied  # noqa: E402
 from neuron_disagg.transfer.transport import InMemoryTransport  # noqa: E402
 from neuron_disagg.vllm.decode import DecodeWorker  # noqa: E402
 from neuron_disagg.vllm.metadata import (  # noqa: E402
-    Abort, AllocatedBlocks, Expect, HandOff, ReadOffer, StepMetadata,
+    Abort, AllocatedBlocks, Expect, HandOff, QuarantineNotices, ReadOffer, StepMetadata,
 )
 from neuron_disagg.vllm.prefill import PrefillWorker  # noqa: E402
 from neuron_disagg.vllm.worker import WorkerSide  # noqa: E402
@@ -110,6 +110,32 @@ def test_a_failed_load_is_reported_only_once_its_blocks_are_fenced_and_names_the
     assert d.transfer_results(set()) == (set(), {RID}, {RID})
     assert d.failed_blocks == {5, 6}  # vLLM < 0.32 learns of the failure by these
     assert d.transfer_results(set())[1:] == (set(), set()) and d.failed_blocks == set()
+
+
+def test_a_quarantined_load_is_reported_failed_at_once_and_its_blocks_are_released_to_the_scheduler_later(worker):
+    """P is gone: vLLM hears now that the load failed (the request goes on), and the scheduler side
+    hears with the same step's output that the blocks stay quarantined, then that they are free."""
+    d = worker("decode")
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5, 6), 1)]))
+    report(d, Quarantined(TID, "prefill silent: no answer to a probe within suspect_after_s (p:5600 rank 0)"))
+    assert d.transfer_results(set()) == (set(), {RID}, {RID})
+    assert d.failed_blocks == {5, 6}  # vLLM < 0.32 learns of the failure by these
+    assert d.worker_meta() == QuarantineNotices(held=[RID]) and d.worker_meta() is None
+    assert d.transfer_results(set()) == (set(), set(), set())
+    report(d, Freed(TID, (5, 6)))
+    assert d.transfer_results(set()) == (set(), set(), set()), "vLLM was told once"
+    assert d.worker_meta() == QuarantineNotices(released=[RID])
+    assert (d.stats() or {})["counts"]["quarantines"] == 1
+
+
+def test_a_quarantine_that_ends_before_vllm_heard_of_it_is_reported_as_held_and_released_together(worker):
+    d = worker("decode")
+    d.hand_off(StepMetadata(register=[AllocatedBlocks(TID, RID, (5,), 0)]))
+    report(d, Quarantined(TID, "prefill unreachable"), Freed(TID, (5,)))
+    assert d.transfer_results(set()) == (set(), {RID}, {RID})
+    assert d.worker_meta() == QuarantineNotices(held=[RID], released=[RID])
+    report(d, Freed(TID, (5,)))  # a late duplicate
+    assert d.transfer_results(set()) == (set(), set(), set()) and d.worker_meta() is None
 
 
 def test_aborted_while_loading_the_blocks_go_back_once_fenced_and_the_load_is_not_a_failure(worker):
