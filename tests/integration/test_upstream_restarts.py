@@ -26,7 +26,8 @@ def _restart(ucx_peers, p, *args):
 def test_vllm_49238_a_prefill_restarted_under_decodes_transfer(ucx_peers, mode):
     args = ("--mode", mode, "--lease-s", "30")
     p = ucx_peers("prefill", "--port", str(free_port()), *args)
-    d = ucx_peers("decode", "--mode", mode, "--watchdog-s", str(WATCHDOG_S), "--max-write-s", str(MAX_WRITE_S))
+    d = ucx_peers("decode", "--mode", mode, "--watchdog-s", str(WATCHDOG_S), "--max-write-s", str(MAX_WRITE_S),
+                  "--suspect-after-s", "0.6")
 
     def deliver(p, tid, src, dst, seed):
         p.call("fill", blocks=src, seed=seed)
@@ -56,7 +57,14 @@ def test_vllm_49238_a_prefill_restarted_under_decodes_transfer(ucx_peers, mode):
         p = _restart(ucx_peers, p, *args)
         d.call("offered", tid=held, offer=offer)
         d.call("allocate", tid=held, blocks=[5, 6])
-    failed = d.event_for("failed", held, timeout=20)
+    # Push: D's probe is refused while P is down, or answered by the new process as another
+    # incarnation: the load is given up at once and the blocks wait for their fence. Pull: the
+    # READ to the old agent fails.
+    failed = d.wait_event(lambda e: e["event"] in ("failed", "quarantined") and e["tid"] == held, 20)
+    if mode == "push":
+        assert failed["event"] == "quarantined", failed
+        assert "restarted" in failed["reason"] or "unreachable" in failed["reason"], failed
+        assert time.monotonic() - started < WATCHDOG_S, "the load was given up only at D's watchdog"
     freed = d.event_for("free", held, timeout=20)
     elapsed = time.monotonic() - started
     assert failed["reason"] and sorted(freed["blocks"]) == [5, 6]
