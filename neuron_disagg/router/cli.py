@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                                           f"{API_KEY_ENV} environment variable: flags show in ps)")
     parser.add_argument("--timeline-dir", metavar="DIR",
                         help=RouterSettings.model_fields["timeline_dir"].description)
+    parser.add_argument("--no-decode-fallback", action="store_true",
+                        help="fail a request no P can take (502/503) instead of having a D compute it whole")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     defaults = RouterSettings()
@@ -67,7 +69,7 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, Para
     settings = RouterSettings.build(
         mode=args.mode or config.mode,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        timeline_dir=args.timeline_dir,
+        timeline_dir=args.timeline_dir, decode_fallback=False if args.no_decode_fallback else None,
         **{name: getattr(args, name) for name in _TUNABLES})
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")

@@ -7,7 +7,10 @@ after validating the body. Invariants kept here:
 - every leg that is abandoned is closed (vLLM aborts the request; D's connector frees its
   blocks), and a retry is a new transfer id ``attempt + 1`` with a new D leg, which supersedes
   the old attempt on both sides (I1);
-- a client that goes away cancels every leg (the handler is cancelled: ``handler_cancellation``).
+- a client that goes away cancels every leg (the handler is cancelled: ``handler_cancellation``);
+- a request no P can take (none healthy, or P's leg failed with no retry left) is sent whole to a D,
+  which computes its prompt itself (``decode_fallback``), rather than failing: the client waits a
+  prefill on D instead of getting a 502.
 """
 
 from __future__ import annotations
@@ -119,11 +122,13 @@ class Flows:
             ctx.log.debug("%s request ended: %s after %.3f s", req.mode, outcome, elapsed)
 
     # -- push: both legs at once under one transfer id --------------------------------------------
-    async def _push(self, req: ClientRequest, ctx: RequestContext) -> tuple[DecodeLeg, asyncio.Task]:
+    async def _push(self, req: ClientRequest, ctx: RequestContext) -> tuple[DecodeLeg, asyncio.Task | None]:
         tried: set[Instance] = set()
         attempt = 0
         while True:
-            p = self._pick("prefill", tried)
+            p = self._pick_prefill(tried)
+            if p is None:
+                return await self._whole_on_decode(req, ctx, attempt, "no_prefill"), None
             d = self._pick("decode")
             tid = format_transfer_id(ctx.transfer_base, attempt)
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
@@ -149,7 +154,10 @@ class Flows:
                 assert exc is not None
                 tried.add(p)
                 if not self._may_retry(exc, attempt, tried):
-                    raise exc
+                    if not self._may_compute_on_decode(exc):
+                        raise exc
+                    fallback = exc
+                    break
                 ctx.log.warning("transfer_id=%s: P %s failed (%s); cancelled D %s, retrying on "
                                 "another P", tid, p.url, getattr(exc, "code", exc), d.url)
                 self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
@@ -158,13 +166,16 @@ class Flows:
                     await _cancel(p_task, d_task)
                     d_leg.close()
             attempt += 1
+        return await self._whole_on_decode(req, ctx, attempt + 1, fallback.code), None
 
     # -- pull: P first, then D with P's kv_transfer_params ----------------------------------------
     async def _pull(self, req: ClientRequest, ctx: RequestContext) -> DecodeLeg:
         tried: set[Instance] = set()
         attempt = 0
         while True:
-            p = self._pick("prefill", tried)
+            p = self._pick_prefill(tried)
+            if p is None:
+                return await self._whole_on_decode(req, ctx, attempt, "no_prefill")
             tid = format_transfer_id(ctx.transfer_base, attempt)
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
@@ -175,7 +186,9 @@ class Flows:
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
                 if not self._may_retry(exc, attempt, tried):
-                    raise
+                    if not self._may_compute_on_decode(exc):
+                        raise
+                    return await self._whole_on_decode(req, ctx, attempt + 1, exc.code)
                 ctx.log.warning("transfer_id=%s: P %s failed (%s); retrying on another P",
                                 tid, p.url, getattr(exc, "code", exc))
                 self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
@@ -207,6 +220,39 @@ class Flows:
         return self.pool.pick(role, time.monotonic(), exclude=frozenset(exclude or ()),
                               metrics_stale_s=self.settings.metrics_stale_s,
                               kv_cache_full_fraction=self.settings.kv_cache_full_fraction)
+
+    def _pick_prefill(self, tried: set[Instance]) -> Instance | None:
+        """A P for the next attempt; None when none is healthy and a D may compute the request whole."""
+        try:
+            return self._pick("prefill", tried)
+        except NoInstance:
+            if not self.settings.decode_fallback or tried:
+                raise
+            return None
+
+    def _may_compute_on_decode(self, exc: BaseException) -> bool:
+        """P is down or broken (not the request: a 4xx is relayed; not slow: a timeout already cost
+        the client its wait) and no P is left to retry on."""
+        return self.settings.decode_fallback and isinstance(exc, UpstreamFailed)
+
+    async def _whole_on_decode(self, req: ClientRequest, ctx: RequestContext, attempt: int, why: str) -> DecodeLeg:
+        """A D computes the request whole, as a plain request (no kv_transfer_params: its connector
+        leaves it alone), under a transfer id of its own."""
+        d = self._pick("decode")
+        tid = format_transfer_id(ctx.transfer_base, attempt)
+        ctx.log.warning("transfer_id=%s: no P can take the request (%s); D %s computes it whole", tid, why, d.url)
+        self.metrics.computed_on_decode.labels(req.mode, why).inc()
+        body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
+        leg = DecodeLeg(self.upstream, self.pool, d, req.path, body, tid, {**ctx.headers, "X-Request-Id": tid},
+                        connect_timeout_s=self.settings.connect_timeout_s,
+                        first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
+                        idle_timeout_s=self.settings.decode_idle_timeout_s)
+        try:
+            await self._open_decode(leg, req, ctx, tid)
+        except BaseException:
+            leg.close()
+            raise
+        return leg
 
     def _may_retry(self, exc: BaseException, attempt: int, tried: set[Instance]) -> bool:
         """Another P can help when this one is down or broken (connect error, reset, 5xx) — not

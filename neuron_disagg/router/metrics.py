@@ -32,6 +32,8 @@ class RouterMetrics:
                              ["role", "url"], registry=r)
         self.retries = Counter(p + "retries", "P legs retried on another P", ["mode", "reason"],
                                registry=r)
+        self.computed_on_decode = Counter(p + "computed_on_decode", "Requests no P could take, sent whole to a D "
+                                          "(decode_fallback), by KV mode and why", ["mode", "reason"], registry=r)
         self.failures = Counter(p + "failures", "Failed legs and requests by reason", ["reason"],
                                 registry=r)
         self.withdrawals = Counter(p + "withdrawals", "Requests whose KV P was told no decode instance "

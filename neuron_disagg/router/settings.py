@@ -46,6 +46,9 @@ class RouterSettings(BaseModel):
     kv_cache_full_fraction: float = Field(0.95, gt=0, le=1.0,
                                           description="a D above this KV usage is picked last")
     prefill_retries: int = Field(1, ge=0, le=5, description="P legs retried on another P")
+    decode_fallback: bool = Field(True, description="a request no P can take (none healthy, or P's leg failed "
+                                  "with no retry left: unreachable, disconnected, 5xx) is sent whole to a D, "
+                                  "which computes its prompt too, instead of failing with 502/503")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     upstream_connection_limit: int = Field(0, ge=0, description="0: unlimited")
     # vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from neuron_disagg.local_cluster import free_port
 from neuron_disagg.protocol import TransferId, Withdraw, WireCodec
 from neuron_disagg.transfer.side_channel import SideChannelServer
@@ -41,7 +43,7 @@ async def test_prefill_failure_cancels_decode_leg_and_retries_on_another_prefill
 
 
 async def test_prefill_failing_twice_is_an_openai_error_and_every_decode_leg_is_closed():
-    async with cluster(prefill=3, decode=1, mode="push") as c:
+    async with cluster(prefill=3, decode=1, mode="push", decode_fallback=False) as c:
         for p in c.prefills:
             p.fail_status = 500
         status, _, answer = await c.post("/v1/completions", completion())
@@ -67,11 +69,48 @@ async def test_unreachable_prefill_is_ejected_and_the_request_retried():
 
 
 async def test_only_prefill_failing_is_its_own_error_not_a_503():
-    async with cluster(prefill=1, decode=1, mode="push") as c:
+    async with cluster(prefill=1, decode=1, mode="push", decode_fallback=False) as c:
         c.prefills[0].fail_status = 500
         status, _, answer = await c.post("/v1/completions", completion())
         assert status == 502 and answer["error"]["code"] == "prefill_error"
         assert len(c.prefills[0].requests) == 1
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_a_request_whose_prefill_failed_with_no_other_left_is_computed_whole_by_decode(mode):
+    """The only P answers 500 (its engine died): D computes the request itself, a plain request
+    without kv_transfer_params, rather than the client getting a 502; the push leg D got first is
+    closed, so D's connector gives up that transfer."""
+    async with cluster(prefill=1, decode=1, mode=mode) as c:
+        c.prefills[0].fail_status = 500
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 200 and answer["served_by"] == "d0", answer
+        whole = c.decodes[0].requests[-1]
+        assert "kv_transfer_params" not in whole.body and whole.headers["X-Request-Id"].endswith("#1")
+        if mode == "push":
+            await until(lambda: c.decodes[0].requests[0].cancelled, "D's push leg to be closed")
+        assert _metric(c, "neuron_disagg_router_computed_on_decode_total", mode=mode, reason="prefill_error") == 1
+
+
+async def test_with_every_prefill_ejected_decode_computes_requests_whole_instead_of_a_503():
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        await c.prefills[0].stop()
+        status, _, answer = await c.post("/v1/completions", completion())  # unreachable: ejected, then D
+        assert status == 200 and answer["served_by"] == "d0", answer
+        assert not c.instance(c.prefills[0]).healthy
+        status, _, answer = await c.post("/v1/completions", completion())  # no P at all: straight to D
+        assert status == 200 and answer["served_by"] == "d0", answer
+        assert _metric(c, "neuron_disagg_router_computed_on_decode_total", mode="push", reason="no_prefill") == 1
+        assert _metric(c, "neuron_disagg_router_computed_on_decode_total", mode="push",
+                       reason="prefill_unreachable") == 1
+
+
+async def test_without_decode_fallback_no_healthy_prefill_is_a_503():
+    async with cluster(prefill=1, decode=1, mode="push", decode_fallback=False) as c:
+        await c.prefills[0].stop()
+        await c.post("/v1/completions", completion())
+        status, _, answer = await c.post("/v1/completions", completion())
+        assert status == 503, answer
 
 
 async def test_prefill_timeout_is_a_504_without_retry_and_closes_the_decode_leg():
@@ -154,7 +193,7 @@ async def test_a_leg_whose_connection_is_dropped_unanswered_is_sent_once_more():
     """A vLLM resuming from a pause longer than its keep-alive timeout drops the connections that
     requests reached it on meanwhile: each leg is sent again, once, on the same instance."""
     for mode in ("push", "pull"):
-        async with cluster(prefill=1, decode=1, mode=mode) as c:
+        async with cluster(prefill=1, decode=1, mode=mode, decode_fallback=False) as c:
             p, d = c.prefills[0], c.decodes[0]
             p.reset_next = d.reset_next = 1
             status, _, answer = await c.post("/v1/completions", completion())
