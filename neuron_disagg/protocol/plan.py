@@ -5,6 +5,8 @@ Heads are split evenly across tensor-parallel ranks, so with different TP sizes 
 the slice of its heads that each overlapping D rank holds. Contiguous descriptors within one region
 pair are merged: one descriptor per block per layer is the reference implementation's cost
 (tens of thousands per request); a contiguous block list collapses to one descriptor per region.
+Runs are found in source-address order, not token order, so block lists that both sides hand out
+in the same non-ascending order (vLLM's free queue, once a pool has gone round) merge as well.
 """
 
 from __future__ import annotations
@@ -224,7 +226,14 @@ def plan_rank_write(
         rel_dst = ((dst_blocks.astype(_U64) * _U64(dst_stride))[:, None] + pat_dst[None, :]).ravel()
         run = np.tile(pat_len, len(src_blocks))
         if merge:
-            rel_src, rel_dst, run = merge_runs(rel_src, rel_dst, run)
+            # A descriptor moves the same bytes to the same place in any order, so the pairs are
+            # sorted by source first (each pair kept whole): then a descriptor that continues
+            # another on both sides comes right after it and merges, in whatever order the blocks
+            # sit in the token positions. After churn vLLM's free queue hands both sides descending
+            # runs of ids, which in token order merge to almost nothing. With distinct source blocks
+            # this gives the fewest runs there are.
+            order = np.argsort(rel_src, kind="stable")
+            rel_src, rel_dst, run = merge_runs(rel_src[order], rel_dst[order], run[order])
         src_base = np.array([p[0].base_addr for p in pairs], dtype=_U64)[:, None]
         dst_base = np.array([p[1].base_addr for p in pairs], dtype=_U64)[:, None]
         s, d = (src_base + rel_src).ravel(), (dst_base + rel_dst).ravel()

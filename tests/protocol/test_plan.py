@@ -1,3 +1,4 @@
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -165,3 +166,142 @@ def test_plan_covers_exactly_the_blocks_bytes_without_overlap(data):
         cont = (write.src_addr[1:] == write.src_addr[:-1] + write.length[:-1]) & \
                (write.dst_addr[1:] == write.dst_addr[:-1] + write.length[:-1])
         assert not (cont & same_region).any()
+
+
+# -- merging in source order: block lists that vLLM's free queue hands out after churn --------------
+
+LAYOUTS = ("HND", "NHD", "kernel blocks", "heads outside blocks")
+
+
+def _regions(layout, rank=0, tp=1):
+    """One rank's regions of SHAPE in ``layout``: rank_regions' own two, or a block split into two
+    head-major kernel blocks of two tokens, or each head's blocks in a plane of their own."""
+    regions = rank_regions(SHAPE, NUM_BLOCKS, rank, tp, layout="NHD" if layout == "NHD" else "HND")
+    hb, tokens = SHAPE.head_dim * SHAPE.dtype_bytes, SHAPE.block_tokens
+    if layout == "kernel blocks":
+        k = tokens // 2
+        return tuple(msgspec.structs.replace(r, kernel_block_tokens=k, kernel_stride_bytes=r.heads * k * hb,
+                                             head_stride_bytes=k * hb, token_stride_bytes=hb) for r in regions)
+    if layout == "heads outside blocks":
+        return tuple(msgspec.structs.replace(r, block_stride_bytes=tokens * hb, token_stride_bytes=hb,
+                                             head_stride_bytes=NUM_BLOCKS * tokens * hb) for r in regions)
+    return regions
+
+
+def _registration_in(layout, d_tp, dst_blocks, first=0):
+    ranks = tuple(RankRegions(r, f"d{r}", _regions(layout, r, d_tp)) for r in range(d_tp))
+    return Registration(TransferId("req"), "d-engine", "d-req", "127.0.0.1:1", d_tp, ranks,
+                        tuple(dst_blocks), first, expires_at=1e9)
+
+
+def _bytes_moved(plan):
+    """Every byte the plan moves as rows (D rank, source address, destination address), sorted:
+    what the plan does, whatever order and grouping its descriptors have."""
+    rows = [np.empty((0, 3), dtype=np.int64)]
+    for w in plan.writes:
+        n = w.length.astype(np.int64)
+        within = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        rows.append(np.stack([np.full(n.sum(), w.d_rank), np.repeat(w.src_addr.astype(np.int64), n) + within,
+                              np.repeat(w.dst_addr.astype(np.int64), n) + within], axis=1))
+    moved = np.concatenate(rows)
+    return moved[np.lexsort(moved.T[::-1])]
+
+
+def _region_of(addr, local):
+    bases = np.array(sorted(r.base_addr for r in local), dtype=np.uint64)
+    return np.searchsorted(bases, addr, side="right") - 1
+
+
+def _token_order_count(unmerged, local):
+    """Descriptors the plan would have if runs merged only in token order, from the unmerged plan
+    (its descriptors run region by region, each region's in token order)."""
+    count = 0
+    for w in unmerged.writes:
+        s, d, n, region = w.src_addr, w.dst_addr, w.length, _region_of(w.src_addr, local)
+        cont = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (region[1:] == region[:-1])
+        count += len(n) - int(cont.sum())
+    return count
+
+
+def _nothing_left_to_merge(plan, local):
+    """No descriptor starts where another in the same region ends on both sides, in any order."""
+    for w in plan.writes:
+        s, d, n, region = (a.tolist() for a in (w.src_addr, w.dst_addr, w.length, _region_of(w.src_addr, local)))
+        ends = {(a + k, b + k, r) for a, b, k, r in zip(s, d, n, region)}
+        if ends & set(zip(s, d, region)):
+            return False
+    return True
+
+
+def test_blocks_handed_out_descending_on_both_sides_merge_to_one_descriptor_per_region():
+    """After churn vLLM's free queue gives P and D descending block ids: in token order no two
+    neighbours continue each other, in source order they all do."""
+    local = rank_regions(SHAPE, NUM_BLOCKS)
+    src, dst = list(range(20, 12, -1)), list(range(30, 22, -1))
+    plan = plan_write(local, 0, 1, registration(1, dst), src)
+    unmerged = plan_write(local, 0, 1, registration(1, dst), src, merge=False)
+    assert plan.descriptor_count == len(local)
+    assert np.array_equal(_bytes_moved(plan), _bytes_moved(unmerged))
+    fabric = MemoryFabric()
+    p_mem = np.frombuffer(fabric.register("p", regions_bytes(local)), dtype=np.uint8)
+    p_mem[:] = np.random.default_rng(3).integers(0, 256, len(p_mem), dtype=np.uint8)
+    d_mem = np.frombuffer(fabric.register("d0", regions_bytes(local)), dtype=np.uint8)
+    fabric.execute("p", plan)
+    for region in local:
+        for s, d in zip(src, dst):
+            at_s = region.base_addr + s * region.block_stride_bytes
+            at_d = region.base_addr + d * region.block_stride_bytes
+            assert np.array_equal(d_mem[at_d:at_d + region.block_bytes], p_mem[at_s:at_s + region.block_bytes])
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_descending_block_lists_merge_as_far_as_the_same_blocks_ascending(layout, p_tp, d_tp):
+    """Whatever the layout or TP split, reversing both lists changes neither the bytes moved nor
+    the descriptor count: the order of the token positions no longer matters."""
+    src, dst = list(range(5, 13)), list(range(17, 25))
+    for p in range(p_tp):
+        local = _regions(layout, p, p_tp)
+        ascending = plan_write(local, p, p_tp, _registration_in(layout, d_tp, dst), src)
+        descending = plan_write(local, p, p_tp, _registration_in(layout, d_tp, dst[::-1]), src[::-1])
+        unmerged = plan_write(local, p, p_tp, _registration_in(layout, d_tp, dst[::-1]), src[::-1], merge=False)
+        assert descending.descriptor_count == ascending.descriptor_count
+        if p_tp == d_tp:  # whole blocks on both sides: runs span blocks (split heads may not)
+            assert descending.descriptor_count < unmerged.descriptor_count
+        assert np.array_equal(_bytes_moved(descending), _bytes_moved(unmerged))
+
+
+@st.composite
+def _block_lists(draw):
+    """P's and D's blocks of one request: random, or D's in the order of P's (both from one pool
+    state), or in its reverse; D's ids scattered or one run; a prefix D already holds."""
+    n = draw(st.integers(1, 12))
+    src = draw(st.permutations(range(NUM_BLOCKS)))[:n]
+    if draw(st.booleans()):
+        start = draw(st.integers(0, NUM_BLOCKS - n))
+        values = list(range(start, start + n))
+    else:
+        values = sorted(draw(st.permutations(range(NUM_BLOCKS)))[:n])
+    order = draw(st.sampled_from(["random", "same", "reversed"]))
+    if order == "random":
+        dst = draw(st.permutations(values))
+    else:
+        ranks = np.argsort(np.argsort(src))
+        dst = [values[r] if order == "same" else values[n - 1 - r] for r in ranks]
+    return src, list(dst), draw(st.integers(0, n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_block_lists(), st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS),
+       st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 4), (4, 4)]), st.data())
+def test_source_ordered_merging_moves_every_byte_as_the_per_block_plan_does(lists, p_layout, d_layout, tps, data):
+    src, dst, first = lists
+    p_tp, d_tp = tps
+    p_rank = data.draw(st.integers(0, p_tp - 1))
+    local = _regions(p_layout, p_rank, p_tp)
+    reg = _registration_in(d_layout, d_tp, dst[first:], first)
+    plan = plan_write(local, p_rank, p_tp, reg, src)
+    unmerged = plan_write(local, p_rank, p_tp, reg, src, merge=False)
+    assert np.array_equal(_bytes_moved(plan), _bytes_moved(unmerged))
+    assert plan.descriptor_count <= _token_order_count(unmerged, local)
+    assert _nothing_left_to_merge(plan, local)
