@@ -1,15 +1,19 @@
-# The neuron-disagg AMIs: one for Trainium (from the latest Neuron DLAMI) and one for H200 / p5en
-# (from the latest GPU DLAMI), each found through AWS's public SSM parameters so a rebuild starts
-# from the current release (or from a pinned AMI id: neuron_source_ami / cuda_source_ami).
+# The neuron-disagg AMIs: one for Trainium, from the Neuron DLAMI of the pinned Neuron SDK release
+# (neuron_sdk_version, found by the SDK version in the DLAMI's description, so that a rebuild never
+# picks up another SDK unnoticed), and one for H200 / p5en, from the latest GPU DLAMI (its public SSM
+# parameter). Either can be pinned to an AMI id instead (neuron_source_ami / cuda_source_ami).
 # Provisioning installs and verifies, in order: the EFA software (the pinned installer,
 # GPG-checked, unless the DLAMI's is as new), RDMA memory limits, vLLM + NIXL + neuron-disagg,
 # what NIXL's LIBFABRIC plugin needs besides libfabric (Trainium: libcuda stub, CUDA runtime,
 # hwloc; H200: CUDA runtime, hwloc), the systemd units (and the model cache on local NVMe); the
 # last step runs `neuron-disagg doctor --image --platform <neuron|cuda>` and fails the build if it
-# fails. The builders are ordinary m6i instances (see neuron_instance_type for why). Each AMI is
-# tagged with what it was built from: the source AMI's id and name, the EFA installer pin, NIXL.
+# fails. The builders are ordinary m6i instances (see neuron_instance_type for why), reached through
+# Session Manager by default, so that they build in a private subnet (see builder_connect). Each AMI
+# is tagged with what it was built from: the source AMI's id and name, the Neuron SDK, the EFA
+# installer pin, NIXL.
 #
-#   ami/build.sh                       # builds the wheel, then `packer init` + `packer build` here
+#   ami/build.sh                       # checks the DLAMI and the network, builds the wheel, then
+#                                      # `packer init` + `packer build` here
 #   packer build -only='amazon-ebs.neuron' -var wheel=dist/neuron_disagg-0.1.0-py3-none-any.whl ami/
 #
 # `neuron-disagg launch` finds the result by its tag neuron-disagg:platform = neuron | cuda.
@@ -40,10 +44,24 @@ variable "package_version" {
   description = "Recorded in the AMI's tags."
 }
 
-variable "neuron_ssm_parameter" {
+# The Neuron DLAMI, pinned by SDK release: AWS's SSM parameters name only the latest DLAMI of each
+# kind and OS (.../ubuntu-24.04/latest), which stops moving when a release moves to another OS, and
+# each Neuron DLAMI names its SDK release in its description (the Neuron DLAMI guide: find a DLAMI for
+# a specific SDK version by describe-images with a description filter). ami/build.sh checks, before
+# anything runs, that this finds a DLAMI (neuron_disagg/deploy/bake.py). The image must ship a vLLM
+# environment (30-python.sh checks). Another release: -var neuron_sdk_version=2.33.0, and
+# -var 'neuron_dlami_name=Deep Learning AMI Neuron (Ubuntu 26.04) *' where that release's DLAMI runs
+# another OS.
+variable "neuron_sdk_version" {
   type        = string
-  default     = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
-  description = "Public SSM parameter holding the Neuron DLAMI to start from (it must ship a vLLM environment)."
+  default     = "2.32.0"
+  description = "Neuron SDK release whose DLAMI the Trainium AMI starts from (tag neuron-disagg:neuron-sdk)."
+}
+
+variable "neuron_dlami_name" {
+  type        = string
+  default     = "Deep Learning AMI Neuron (Ubuntu 24.04) *"
+  description = "Name pattern of the Neuron DLAMI (the multi-framework one, which ships vLLM)."
 }
 
 variable "cuda_ssm_parameter" {
@@ -52,14 +70,13 @@ variable "cuda_ssm_parameter" {
   description = "Public SSM parameter holding the GPU DLAMI to start from."
 }
 
-# Pinning the DLAMI: AWS publishes only "latest" parameters for these DLAMIs (the Neuron DLAMI guide:
-# SSM finds the latest DLAMI of each type; per-release parameters are "future"), so a versioned SSM
-# path cannot pin one. An AMI id can (per region): set these to rebuild from a known DLAMI. Either
-# way the AMI records its source in the tags neuron-disagg:source-ami and :source-ami-name.
+# Pinning one AMI: an AMI id (per region) rebuilds from exactly that image; a Neuron one must still be
+# a DLAMI of neuron_sdk_version (Packer adds it to the filter). The AMI records its source in the tags
+# neuron-disagg:source-ami and :source-ami-name.
 variable "neuron_source_ami" {
   type        = string
   default     = null
-  description = "Neuron DLAMI id to start from instead of the SSM parameter's latest (null: latest)."
+  description = "Neuron DLAMI id to start from (null: the newest DLAMI of neuron_sdk_version)."
 }
 
 variable "cuda_source_ami" {
@@ -95,6 +112,32 @@ variable "subnet_id" {
   description = "Subnet for the builder (one whose zone has capacity for the builder type); default VPC if null."
 }
 
+# How Packer reaches the builder. session_manager (the default): an SSH session tunnelled through AWS
+# Systems Manager, so the builder needs no public address and no inbound rule: it works in a private
+# subnet with a NAT gateway (the one examples/README.md, step 2, uses for the instances) and in the
+# default VPC. It needs the Session Manager plugin where Packer runs, and IAM permission to create
+# the builder's temporary instance profile (Packer makes and deletes it; its policy is below).
+# public_ip: the builder gets a public IP and Packer connects to it directly; the subnet must route
+# 0.0.0.0/0 to an internet gateway. Either way the builder downloads packages: the subnet must reach
+# the internet. ami/build.sh checks both before anything runs.
+variable "builder_connect" {
+  type        = string
+  default     = "session_manager"
+  description = "session_manager (private subnets; needs the Session Manager plugin) or public_ip (a public subnet)."
+  validation {
+    condition     = contains(["session_manager", "public_ip"], var.builder_connect)
+    error_message = "The builder_connect value must be session_manager or public_ip."
+  }
+}
+
+# Regions the AMI is copied to when it is made; Packer copies its tags along, which launch finds it by
+# (a copy made later by hand keeps them only with `aws ec2 copy-image --copy-image-tags`).
+variable "ami_regions" {
+  type        = list(string)
+  default     = []
+  description = "Further regions to copy the AMIs to, tags included."
+}
+
 variable "capacity_reservation_id" {
   type        = string
   default     = null
@@ -124,11 +167,6 @@ variable "root_volume_gib" {
   default = 200
 }
 
-data "amazon-parameterstore" "neuron_dlami" {
-  name   = var.neuron_ssm_parameter
-  region = var.region
-}
-
 data "amazon-parameterstore" "cuda_dlami" {
   name   = var.cuda_ssm_parameter
   region = var.region
@@ -138,8 +176,12 @@ locals {
   stamp = formatdate("YYYYMMDD-hhmmss", timestamp())
   stage = "/tmp/neuron-disagg-ami"
   # The SSM parameter is always read (it must exist); a pinned id wins.
-  neuron_source_ami = coalesce(var.neuron_source_ami, data.amazon-parameterstore.neuron_dlami.value)
-  cuda_source_ami   = coalesce(var.cuda_source_ami, data.amazon-parameterstore.cuda_dlami.value)
+  cuda_source_ami = coalesce(var.cuda_source_ami, data.amazon-parameterstore.cuda_dlami.value)
+  # What the builders may do: answer Session Manager (session_manager), nothing else.
+  ssm_session_actions = [
+    "ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel",
+  ]
   tags = {
     "neuron-disagg:version"           = var.package_version
     "neuron-disagg:built"             = local.stamp
@@ -151,16 +193,40 @@ locals {
 }
 
 source "amazon-ebs" "neuron" {
-  region                  = var.region
-  source_ami              = local.neuron_source_ami
-  instance_type           = var.neuron_instance_type
-  subnet_id               = var.subnet_id
-  capacity_reservation_id = var.capacity_reservation_id
-  ssh_username            = "ubuntu"
+  region = var.region
+  # The newest DLAMI of the pinned Neuron SDK release; a pinned id must match the filter too.
+  source_ami = var.neuron_source_ami
+  source_ami_filter {
+    filters = {
+      name        = var.neuron_dlami_name
+      description = "*Neuron SDK ${var.neuron_sdk_version}*"
+      state       = "available"
+    }
+    owners      = ["amazon"]
+    most_recent = true
+  }
+  instance_type                             = var.neuron_instance_type
+  subnet_id                                 = var.subnet_id
+  capacity_reservation_id                   = var.capacity_reservation_id
+  ssh_username                              = "ubuntu"
+  ssh_interface                             = var.builder_connect
+  associate_public_ip_address               = var.builder_connect == "public_ip" ? true : null
   # Packer's temporary security group lets SSH in from this machine's public address only, not 0.0.0.0/0.
   temporary_security_group_source_public_ip = true
-  ami_name                = "neuron-disagg-neuron-${var.package_version}-${local.stamp}"
-  ami_description         = "neuron-disagg ${var.package_version} on the Neuron DLAMI: EFA, NIXL ${var.nixl_version}, vLLM (vllm-neuron), units"
+  dynamic "temporary_iam_instance_profile_policy_document" {
+    for_each = var.builder_connect == "session_manager" ? [1] : []
+    content {
+      Version = "2012-10-17"
+      Statement {
+        Effect   = "Allow"
+        Action   = local.ssm_session_actions
+        Resource = ["*"]
+      }
+    }
+  }
+  ami_name        = "neuron-disagg-neuron-${var.package_version}-${local.stamp}"
+  ami_description = "neuron-disagg ${var.package_version} on the Neuron DLAMI (Neuron SDK ${var.neuron_sdk_version}): EFA, NIXL ${var.nixl_version}, vLLM (vllm-neuron), units"
+  ami_regions     = var.ami_regions
   launch_block_device_mappings {
     device_name           = "/dev/sda1"
     volume_size           = var.root_volume_gib
@@ -170,20 +236,36 @@ source "amazon-ebs" "neuron" {
   tags = merge(local.tags, {
     "Name"                     = "neuron-disagg-neuron-${local.stamp}"
     "neuron-disagg:platform"   = "neuron"
-    "neuron-disagg:source-ami" = local.neuron_source_ami
+    "neuron-disagg:neuron-sdk" = var.neuron_sdk_version
+    # The id Packer resolved (the filter's newest, or the pinned one): its build data.
+    "neuron-disagg:source-ami" = "{{ .SourceAMI }}"
   })
 }
 
 source "amazon-ebs" "cuda" {
-  region                  = var.region
-  source_ami              = local.cuda_source_ami
-  instance_type           = var.cuda_instance_type
-  subnet_id               = var.subnet_id
-  capacity_reservation_id = var.capacity_reservation_id
-  ssh_username            = "ubuntu"
+  region                                    = var.region
+  source_ami                                = local.cuda_source_ami
+  instance_type                             = var.cuda_instance_type
+  subnet_id                                 = var.subnet_id
+  capacity_reservation_id                   = var.capacity_reservation_id
+  ssh_username                              = "ubuntu"
+  ssh_interface                             = var.builder_connect
+  associate_public_ip_address               = var.builder_connect == "public_ip" ? true : null
   temporary_security_group_source_public_ip = true
-  ami_name                = "neuron-disagg-cuda-${var.package_version}-${local.stamp}"
-  ami_description         = "neuron-disagg ${var.package_version} on the GPU DLAMI: EFA, NIXL ${var.nixl_version}, vLLM, units"
+  dynamic "temporary_iam_instance_profile_policy_document" {
+    for_each = var.builder_connect == "session_manager" ? [1] : []
+    content {
+      Version = "2012-10-17"
+      Statement {
+        Effect   = "Allow"
+        Action   = local.ssm_session_actions
+        Resource = ["*"]
+      }
+    }
+  }
+  ami_name        = "neuron-disagg-cuda-${var.package_version}-${local.stamp}"
+  ami_description = "neuron-disagg ${var.package_version} on the GPU DLAMI: EFA, NIXL ${var.nixl_version}, vLLM, units"
+  ami_regions     = var.ami_regions
   launch_block_device_mappings {
     device_name           = "/dev/sda1"
     volume_size           = var.root_volume_gib

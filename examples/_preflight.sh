@@ -57,7 +57,10 @@ if [[ "${YES:-0}" == 1 ]]; then
   launch_flags+=(--yes)
 fi
 if [[ -n "${MAX_HOURS:-}" ]]; then
-  launch_flags+=(--max-hours "$MAX_HOURS")  # every instance powers off (terminates) this long after boot
+  launch_flags+=(--max-hours "$MAX_HOURS")  # every instance powers off (terminates) this long after its first boot
+fi
+if [[ -n "${HF_TOKEN_PARAMETER:-}" ]]; then
+  launch_flags+=(--hf-token-parameter "$HF_TOKEN_PARAMETER")  # a gated model: a SecureString you created
 fi
 if [[ -z "${KEY_NAME:-}" && -z "${IAM_INSTANCE_PROFILE:-}" ]]; then
   echo "note: neither IAM_INSTANCE_PROFILE nor KEY_NAME is set: nothing will reach the router on its" \

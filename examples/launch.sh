@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Qwen3-32B (TP8) on AWS as X prefill and Y decode instances (1P1D by default), on Trainium2 or H200.
+# Qwen3-32B on AWS as X prefill and Y decode hosts (1P1D by default), on Trainium2 or H200, each host
+# cut into vLLM instances of TP 8 (8 on a trn2.48xlarge, 1 on a p5en.48xlarge: hosts in the config).
 # Each prefill instance (P) pushes every prompt's KV cache straight into a decode instance's (D)
 # memory over EFA; the router on the first P sends every request to a P and a D at once. More P for
 # long prompts (prefill-bound), more D for many concurrent streams (decode-bound).
@@ -18,7 +19,9 @@
 # IAM_INSTANCE_PROFILE=name (default neuron-disagg-DEPLOYMENT, one per deployment: qwen3-32b-trn2,
 # qwen3-32b-p5en, qwen3-32b-2p4d-trn2, ...), SECRET_IN_USER_DATA=1 (no instance profile: the secret
 # goes into user data), YES=1 (launch without the cost confirmation), MAX_HOURS=H (every instance
-# powers off, and terminates, H hours after boot), DEPLOYMENT=name, CONFIG=file, NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including
+# powers off, and terminates, H hours after its first boot; default 8, 0: never),
+# HF_TOKEN_PARAMETER=/name (a SecureString holding a Hugging Face token, for a gated model),
+# DEPLOYMENT=name, CONFIG=file, NEURON_DISAGG_VENV=path. examples/README.md walks through everything, including
 # baking the AMI first; `neuron-disagg launch CONFIG --instance-type T --prefill X --decode Y
 # --capacity-block-offerings 24` lists Capacity Block offers.
 set -euo pipefail
@@ -42,8 +45,9 @@ fi
 # 2. Launch. In order: find the AMI (the one ami/build.sh baked, else the DLAMI), create or reuse the
 #    cluster placement group and a security group open only to itself, then start every instance in
 #    one all-or-none call, each with one EFA interface per network card. Their user data writes
-#    /etc/neuron-disagg and starts neuron-disagg-decode, neuron-disagg-prefill and (on the first P)
-#    neuron-disagg-router, whose arguments list every instance's address.
+#    /etc/neuron-disagg and starts the guard (a host that does not serve in time, or has run
+#    max_hours, powers off), neuron-disagg-decode@k or neuron-disagg-prefill@k for each vLLM
+#    instance of the host and (on the first P) neuron-disagg-router, which lists them all.
 "$NEURON_DISAGG" launch "$CONFIG" --name "$DEPLOYMENT" --region "$AWS_REGION" --subnet "$SUBNET_ID" \
   --instance-type "$INSTANCE_TYPE" --prefill "$PREFILL" --decode "$DECODE" "${launch_flags[@]}"
 

@@ -15,17 +15,19 @@ set -euo pipefail
 LIB_DIR="${LIB_DIR:-/opt/neuron-disagg/lib}"
 NEURON_DISAGG="${NEURON_DISAGG:-/opt/neuron-disagg/venv/bin/neuron-disagg}"
 UNITS_LIBRARY_PATH="${UNITS_LIBRARY_PATH:-/opt/amazon/efa/lib}"  # fabric.env's, after LIB_DIR (50-units.sh)
+export APT_LOCK_TIMEOUT_S="${APT_LOCK_TIMEOUT_S:-300}"  # install-fabric-libs's apt waits as long
 
 die() { echo "40-fabric-libs: $*" >&2; exit 1; }
 
 PLATFORM="${PLATFORM:-}"
 [[ "$PLATFORM" == neuron || "$PLATFORM" == cuda ]] || die "PLATFORM must be neuron or cuda, not '${PLATFORM}'"
 [[ -x "$NEURON_DISAGG" ]] || die "$NEURON_DISAGG is missing: 30-python.sh installs the package first"
-# The libcuda stub is compiled (Neuron only).
+# The libcuda stub is compiled (Neuron only). A fresh DLAMI may still be running its own apt jobs
+# (unattended upgrades): apt waits for their lock rather than failing the bake.
 if [[ "$PLATFORM" == neuron ]] && ! command -v cc > /dev/null && ! command -v gcc > /dev/null; then
   if command -v apt-get > /dev/null; then
-    apt-get update
-    apt-get install -y gcc
+    apt-get -o DPkg::Lock::Timeout="$APT_LOCK_TIMEOUT_S" update
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$APT_LOCK_TIMEOUT_S" install -y gcc
   else
     dnf install -y gcc
   fi

@@ -1,10 +1,12 @@
 #!/bin/bash
-# The systemd units neuron-disagg-prefill, -decode and -router, the fabric environment they share,
-# and neuron-disagg-model-cache (the prefill and decode units want it: at boot it moves HF_HOME onto
-# local NVMe instance store where the instance has some; ami/boot/model-cache.sh). They are
-# installed but not enabled: at boot, the user data written by `neuron-disagg launch` puts
-# /etc/neuron-disagg/config.yaml, the root-only secret and the unit's arguments in place and starts
-# the units this host's role needs.
+# The systemd units neuron-disagg-prefill@ and -decode@ (one instance per vLLM server of a host),
+# -router, the fabric environment they share, neuron-disagg-model-cache (the prefill and decode units
+# want it: at boot it moves HF_HOME onto local NVMe instance store where the instance has some;
+# ami/boot/model-cache.sh), and what powers off a host that cannot serve: neuron-disagg-guard (the
+# serving deadline and max_hours) and neuron-disagg-fatal@ (a unit systemd stopped restarting), both
+# ami/boot/guard.sh. They are installed but not enabled: at boot, the user data written by
+# `neuron-disagg launch` puts /etc/neuron-disagg/ in place and starts the guard and the units this
+# host's role needs.
 set -euo pipefail
 
 PLATFORM="${PLATFORM:?PLATFORM must be neuron or cuda}"
@@ -12,11 +14,13 @@ STAGE="${STAGE:-/tmp/neuron-disagg-ami}"
 
 die() { echo "50-units: $*" >&2; exit 1; }
 
+UNITS=(prefill@ decode@ router model-cache guard fatal@)
 install -d -m 0755 /etc/neuron-disagg /opt/neuron-disagg/hf /opt/neuron-disagg/bin
-for unit in prefill decode router model-cache; do
+for unit in "${UNITS[@]}"; do
   install -m 0644 "$STAGE/units/neuron-disagg-$unit.service" /etc/systemd/system/
 done
 install -m 0755 "$STAGE/boot/model-cache.sh" /opt/neuron-disagg/bin/neuron-disagg-model-cache
+install -m 0755 "$STAGE/boot/guard.sh" /opt/neuron-disagg/bin/neuron-disagg-guard
 
 # What the model-cache script runs: mdadm to stripe several instance-store devices, mkfs.xfs.
 missing=()
@@ -49,10 +53,11 @@ ENV
 chmod 0644 /etc/neuron-disagg/fabric.env
 
 systemctl daemon-reload
-# Verify: systemd parses each unit and finds its command; mdadm and mkfs.xfs are there.
-for unit in prefill decode router model-cache; do
-  systemd-analyze verify "/etc/systemd/system/neuron-disagg-$unit.service" \
-    || die "systemd rejects neuron-disagg-$unit.service"
+# Verify: systemd parses each unit and finds its command (a template through one of its instances);
+# mdadm and mkfs.xfs are there.
+for unit in "${UNITS[@]}"; do
+  name="neuron-disagg-${unit/%@/@0}.service"
+  systemd-analyze verify "$name" || die "systemd rejects $name"
 done
 if ! command -v mdadm > /dev/null || ! command -v mkfs.xfs > /dev/null; then
   die "mdadm or mkfs.xfs is missing after installing them"

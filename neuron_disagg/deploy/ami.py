@@ -3,6 +3,11 @@
 Why this order: the AMI baked by ``ami/`` (tagged ``neuron-disagg:platform``) carries the EFA
 software, NIXL, vLLM, this package and the systemd units that the user data starts; the plain
 DLAMI boots but lacks our units, so launch refuses it unless ``allow_stock_ami`` says otherwise.
+
+An AMI copied to another region by CopyImage has no tags unless the copy asked for them
+(``--copy-image-tags``; ``ami_regions`` in the Packer template copies them). Such a copy is found by
+the name the bake gave it (``neuron-disagg-<platform>-<version>-<stamp>``, which the console's copy
+keeps), and launch says how to tag it.
 """
 
 from __future__ import annotations
@@ -23,14 +28,31 @@ DLAMI_PARAMETERS: dict[str, str] = {
 }
 
 
+def baked_name_prefix(platform: str) -> str:
+    """What ami/neuron-disagg.pkr.hcl names its AMIs (ami_name) begin with."""
+    return f"neuron-disagg-{platform}-"
+
+
 def baked_image(cloud: Cloud, platform: Platform) -> str | None:
-    """The newest available AMI of ours (owned by this account) for ``platform``."""
+    """The newest available AMI of ours (owned by this account) for ``platform``: tagged so, else, for an
+    untagged copy from another region, named so."""
     response = cloud.call("ec2", "DescribeImages", Owners=["self"], Filters=[
         {"Name": f"tag:{PLATFORM_TAG}", "Values": [platform]}, {"Name": "state", "Values": ["available"]}])
     if response is None:
         return None
     images = sorted(response.get("Images", []), key=lambda image: image.get("CreationDate", ""))
-    return images[-1]["ImageId"] if images else None
+    if images:
+        return images[-1]["ImageId"]
+    response = cloud.call("ec2", "DescribeImages", Owners=["self"], Filters=[
+        {"Name": "name", "Values": [baked_name_prefix(platform) + "*"]}, {"Name": "state", "Values": ["available"]}])
+    copies = sorted((response or {}).get("Images", []), key=lambda image: image.get("CreationDate", ""))
+    if not copies:
+        return None
+    image = copies[-1]
+    cloud.note(f"{image['ImageId']} ({image.get('Name', '')}) is a neuron-disagg AMI by its name but has no tags: a copy "
+               f"from another region made without --copy-image-tags. Tag it: aws ec2 create-tags --region "
+               f"{cloud.region} --resources {image['ImageId']} --tags Key={PLATFORM_TAG},Value={platform}")
+    return image["ImageId"]
 
 
 def dlami(cloud: Cloud, platform: Platform) -> str:
@@ -53,9 +75,14 @@ def _describe(cloud: Cloud, image_id: str) -> dict[str, Any] | None:
 
 
 def image_platform(cloud: Cloud, image_id: str) -> str | None:
-    """The value of the image's ``neuron-disagg:platform`` tag (``ami/`` bakes it in); None if untagged."""
+    """The value of the image's ``neuron-disagg:platform`` tag (``ami/`` bakes it in), else the platform its
+    name says for an untagged copy of ours; None if neither."""
     image = _describe(cloud, image_id) or {}
-    return next((tag.get("Value", "") for tag in image.get("Tags", []) if tag.get("Key") == PLATFORM_TAG), None)
+    tagged = next((tag.get("Value", "") for tag in image.get("Tags", []) if tag.get("Key") == PLATFORM_TAG), None)
+    if tagged is not None:
+        return tagged
+    return next((platform for platform in PLATFORM_NAMES
+                 if str(image.get("Name", "")).startswith(baked_name_prefix(platform))), None)
 
 
 def is_baked(cloud: Cloud, image_id: str) -> bool:
@@ -92,7 +119,11 @@ def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow
         dlami(cloud, platform)
         return (placeholder(f"ImageId: newest own AMI tagged {PLATFORM_TAG}={platform}"), "decided when it runs")
     if not allow_stock:
-        raise AmiNotFound(f"no neuron-disagg AMI tagged {PLATFORM_TAG}={platform} in {cloud.region}; {refuse}")
+        raise AmiNotFound(f"no neuron-disagg AMI tagged {PLATFORM_TAG}={platform} (nor named "
+                          f"{baked_name_prefix(platform)}*) in {cloud.region}; {refuse}. An AMI copied here from another "
+                          "region keeps its tags only if copied with --copy-image-tags (or by the bake's ami_regions); "
+                          f"tag a copy with `aws ec2 create-tags --resources ami-... --tags "
+                          f"Key={PLATFORM_TAG},Value={platform}`")
     image = dlami(cloud, platform)
     cloud.note(f"WARNING: allow_stock_ami: using the plain DLAMI {image}, which lacks the neuron-disagg systemd "
                "units: the instances will boot but not serve.")

@@ -22,7 +22,7 @@ from .errors import DeployError, DeploymentConfigError
 from .launch import launch
 from .secret_parameter import describe_state
 from .settings import DeploymentConfig
-from .status import print_status, status
+from .status import print_status, resources, status
 from .teardown import teardown
 
 
@@ -51,6 +51,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--iam-instance-profile", metavar="NAME",
                             help="instance profile of the instances: reads the secret's SSM parameter at boot "
                                  "(required unless --secret-in-user-data), allows SSM sessions")
+        parser.add_argument("--hf-token-parameter", metavar="NAME",
+                            help="SecureString holding a Hugging Face token, for a gated model (overrides "
+                                 "hf_token_ssm_parameter); the instances read it with their profile")
         parser.add_argument("--secret-in-user-data", action="store_true", default=None,
                             help="put the secret into the user data instead of SSM (no instance profile needed; "
                                  "readable by anyone allowed ec2:DescribeInstanceAttribute)")
@@ -62,8 +65,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--yes", action="store_true",
                             help="launch without asking: the cost summary is printed, no confirmation awaited")
         parser.add_argument("--max-hours", type=float, metavar="H",
-                            help="each instance powers off, and so terminates, H hours after its boot "
-                                 "(overrides max_hours)")
+                            help="each instance powers off, and so terminates, H hours after its first boot, reboots "
+                                 "included (overrides max_hours, default 8; 0: never)")
         parser.add_argument("--capacity-block-offerings", type=int, metavar="HOURS",
                             help="instead of launching: list Capacity Block offerings for the P+D count and type")
     elif command == "instance-profile":
@@ -76,6 +79,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--dry-run", action="store_true", help="print the AWS calls and make none")
         parser.add_argument("--timeout-s", type=float, default=900.0,
                             help="wait at most this long for instances to terminate (default 900)")
+        parser.add_argument("--keep-instance-profile", action="store_true",
+                            help="keep the deployment's instance profile and role (a relaunch can reuse them)")
         parser.add_argument("--poll-s", type=float, default=10.0, help=argparse.SUPPRESS)
     return parser
 
@@ -83,7 +88,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
 _DESCRIPTIONS = {
     "launch": "Launch prefill and decode instances (with EFA on every network card) and the router.",
     "status": "List a deployment's instances with state and addresses, and whether its secret parameter exists.",
-    "teardown": "Terminate a deployment's instances; delete its placement and security groups and secret parameter.",
+    "teardown": "Terminate a deployment's instances; delete its security and placement groups, its SecureStrings and "
+                "its instance profile and role.",
     "instance-profile": "Create (or complete) the deployment's instance profile neuron-disagg-<name>: a role that "
                         "may read this deployment's secret alone (and open SSM sessions).",
 }
@@ -100,6 +106,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "prefill.count": get("prefill"), "decode.count": get("decode"),
         "prefill.capacity_block_id": capacity, "decode.capacity_block_id": capacity,
         "router.host": get("router_on"), "max_hours": get("max_hours"),
+        "hf_token_ssm_parameter": get("hf_token_parameter"),
     }
 
 
@@ -150,7 +157,10 @@ def _launch(args: argparse.Namespace) -> int:
     print(f"deployment {deployment.name}: {deployment.prefill.count}P{deployment.decode.count}D launched; "
           f"router at {result.router_url} once the instances have booted and loaded the model.\n"
           f"watch: neuron-disagg status {args.config} --name {deployment.name} --region {deployment.region}\n"
-          f"logs on an instance: journalctl -u neuron-disagg-prefill -u neuron-disagg-decode -u neuron-disagg-router"
+          f"logs on an instance: journalctl -u 'neuron-disagg-prefill@*' -u 'neuron-disagg-decode@*' "
+          f"-u neuron-disagg-router -u neuron-disagg-guard\n"
+          f"a host whose instances do not serve within its deadline, or past max_hours ({deployment.max_hours:g} h), "
+          "powers off; status says why"
           + (f"\nthe secret is in SecureString {result.secret_parameter}; teardown deletes it"
              if result.secret_parameter else ""),
           file=sys.stderr)
@@ -165,7 +175,9 @@ def _status(args: argparse.Namespace) -> int:
     rows = status(cloud, deployment.name, include_terminated=args.all)
     secret = None if deployment.secret_in_user_data else (
         deployment.secret_parameter, describe_state(cloud, deployment.secret_parameter, deployment.name))
-    print_status(rows, deployment.name, deployment.router.port, sys.stdout, as_json=args.json, secret=secret)
+    left = [r for r in resources(cloud, deployment.name) if secret is None or r != f"SecureString {secret[0]}"]
+    print_status(rows, deployment.name, deployment.router.port, sys.stdout, as_json=args.json, secret=secret,
+                 left=left)
     return 0
 
 
@@ -175,12 +187,14 @@ def _teardown(args: argparse.Namespace) -> int:
     # With secret_in_user_data, launch stored no parameter (and the account may not allow SSM at all).
     parameter = None if deployment.secret_in_user_data else deployment.secret_parameter
     result = teardown(cloud, deployment.name, secret_parameter_name=parameter,
-                      timeout_s=args.timeout_s, poll_s=args.poll_s)
+                      timeout_s=args.timeout_s, poll_s=args.poll_s, keep_instance_profile=args.keep_instance_profile)
     if cloud.dry_run:
         print(f"dry run: {len(cloud.calls)} calls printed, none made", file=sys.stderr)
     elif result.anything:
         deleted = (f", SecureString {result.secret_parameter_deleted} deleted"
                    if result.secret_parameter_deleted else "")
+        if result.instance_profile_deleted:
+            deleted += ", instance profile deleted"
         print(f"deployment {deployment.name}: torn down ({len(result.terminated)} instance(s) terminated{deleted})")
     else:
         print(f"deployment {deployment.name}: nothing to tear down")

@@ -98,9 +98,9 @@ def summary(name: str, region: str, lines: list[Line], max_hours: float | None) 
         total += (line.usd_per_hour or 0.0) * line.count
     known = all(line.usd_per_hour is not None or line.source.startswith("Capacity Block") for line in lines)
     bill = f"about ${total:,.2f} an hour, ${total * 24:,.0f} a day" + ("" if known else " plus what is not known")
-    until = (f"each instance powers off and terminates {max_hours:g} h after its boot (max_hours): at most "
-             f"about ${total * max_hours:,.0f}" if max_hours else
-             "they run until `neuron-disagg teardown` (or set max_hours in the deployment config)")
+    until = (f"each instance powers off and terminates {max_hours:g} h after its first boot, reboots included "
+             f"(max_hours): at most about ${total * max_hours:,.0f}" if max_hours else
+             "max_hours is 0: they run until `neuron-disagg teardown` (or set max_hours in the deployment config)")
     return (f"launch {name} in {region}:\n" + "\n".join(rows) + f"\n  On-Demand: {bill}; billed from the moment "
             f"they start; {until}.")
 

@@ -3,7 +3,9 @@ network interface layout that follows from it.
 
 Why read it instead of a table: the number of network cards and which of them take EFA differ per
 type (16 on trn2.48xlarge and p5en.48xlarge, 8 on trn1.32xlarge) and AWS adds types faster than a
-table here would be updated. One EFA per card gives the NIXL LIBFABRIC backend every rail.
+table here would be updated. One EFA per card gives the NIXL LIBFABRIC backend every rail. The same
+answer says how many accelerators a host has to cut into vLLM instances (``sizing.py``) and how
+many vCPUs each instance counts against the account's quota (``quotas.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class InstanceTypeInfo:
     platform: Platform | None  # None: neither Neuron devices nor NVIDIA GPUs
     efa_cards: tuple[int, ...]  # network card indices that accept an EFA interface, card 0 first
     known: bool = True  # False in a dry run: the layout is described, not computed
+    accelerators: int | None = None  # what TP counts: logical NeuronCores at the default LNC, or GPUs
+    vcpus: int | None = None  # what the account's On-Demand vCPU quota counts
 
     @classmethod
     def from_api(cls, item: dict[str, Any]) -> "InstanceTypeInfo":
@@ -44,12 +48,15 @@ class InstanceTypeInfo:
             limit = network.get("EfaInfo", {}).get("MaximumEfaInterfaces")
             if limit is not None:
                 cards = cards[:limit]
-        return cls(name, platform, cards)
+        return cls(name, platform, cards, accelerators=_accelerators(item),
+                   vcpus=item.get("VCpuInfo", {}).get("DefaultVCpus"))
 
     @classmethod
     def unknown(cls, name: str) -> "InstanceTypeInfo":
+        """A dry run's: no AWS call, so the layout is described and the accelerators come from the table
+        below where the type is in it (a real launch reads them from AWS)."""
         guess: Platform | None = "neuron" if name.startswith(("trn", "inf")) else "cuda"
-        return cls(name, guess, (), known=False)
+        return cls(name, guess, (), known=False, accelerators=DRY_RUN_ACCELERATORS.get(name))
 
     def check_usable(self) -> None:
         if not self.known:
@@ -72,6 +79,29 @@ class InstanceTypeInfo:
         return [{"NetworkCardIndex": card, "DeviceIndex": 0, "InterfaceType": "efa" if card == 0 else "efa-only",
                  "SubnetId": subnet_id, "Groups": list(groups), "DeleteOnTermination": True}
                 for card in self.efa_cards]
+
+
+#: Accelerators per host, for a dry run only (a launch reads DescribeInstanceTypes): trn2.48xlarge 16
+#: Trainium2 chips of 8 NeuronCores, 64 logical cores at the default LNC=2; trn1.32xlarge 16 chips of 2
+#: NeuronCore-v2 (LNC=1); p5en.48xlarge 8 H200; p5.48xlarge 8 H100.
+DRY_RUN_ACCELERATORS = {"trn2.48xlarge": 64, "trn1.32xlarge": 32, "p5en.48xlarge": 8, "p5.48xlarge": 8}
+#: NeuronCore versions whose default logical NeuronCore (LNC) spans two physical cores: v3 (Trainium2)
+#: on. Neuron's own count for trn2.48xlarge is 64 logical cores, 128 physical.
+LNC2_FROM_CORE_VERSION = 3
+
+
+def _accelerators(item: dict[str, Any]) -> int | None:
+    """What a vLLM instance's TP counts on this type: logical NeuronCores at the default LNC, or GPUs."""
+    devices = item.get("NeuronInfo", {}).get("NeuronDevices", [])
+    if devices:
+        cores = 0
+        for device in devices:
+            core = device.get("CoreInfo", {})
+            per_device = core.get("Count", 0) // (2 if core.get("Version", 0) >= LNC2_FROM_CORE_VERSION else 1)
+            cores += device.get("Count", 0) * per_device
+        return cores or None
+    gpus = sum(gpu.get("Count", 0) for gpu in item.get("GpuInfo", {}).get("Gpus", []))
+    return gpus or None
 
 
 def describe(cloud: Cloud, names: list[str]) -> dict[str, InstanceTypeInfo]:

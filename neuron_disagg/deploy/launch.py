@@ -2,15 +2,17 @@
 
 Order matters and is chosen so that a failure costs as little as possible: everything that can
 be checked locally (config, secret) is checked before the first AWS call; every read (instance
-types, AMI, subnet, reservations) comes before the first write. Instances of one type (and one
+types, AMI, subnet, reservations, the account's vCPU quotas, a Hugging Face token's SecureString)
+comes before the first write. Instances of one type (and one
 reservation) start in one RunInstances call with MinCount = MaxCount: all or none, as a cluster
 placement group needs (added one call at a time, a later instance of a new group is the likeliest to
 find no capacity). Each instance learns its role from its launch index; the router's host learns
 its peers' addresses from tags launch sets once they all exist (user_data.py). If a launch fails
 midway, every instance carrying the deployment's tag is terminated, whatever stopped it (the
 placement and security groups stay for the next try); the instances are recorded the moment
-RunInstances answers, before anything else (tagging) can fail. An instance whose boot fails shuts
-itself down, and launch makes that a termination (``InstanceInitiatedShutdownBehavior``).
+RunInstances answers, before anything else (tagging) can fail. An instance whose boot fails, or
+that does not serve within its deadline, or that has run max_hours, shuts itself down (user_data.py,
+ami/boot/guard.sh), and launch makes that a termination (``InstanceInitiatedShutdownBehavior``).
 Instances in a capacity reservation get no placement group of ours (the reservation fixes where
 they run); one made inside a cluster placement group is launched into that group.
 """
@@ -20,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import ami, cost, instance_profile, network, preflight, reservations, secret_parameter, user_data
+from . import (ami, cost, instance_profile, network, preflight, quotas, reservations, secret_parameter, sizing,
+               user_data)
 from .cloud import Cloud, placeholder
 from .errors import AwsCallFailed, DeployError, DeploymentExists, ReservationUnusable
 from .instance_types import InstanceTypeInfo, describe
@@ -159,6 +162,12 @@ def launch(cloud: Cloud, deployment: DeploymentConfig,
 
     instance_profile.check(cloud, deployment)  # one that cannot read the secret boots instances that power off
     types = describe(cloud, [deployment.prefill.instance_type, deployment.decode.instance_type])
+    hosts = sizing.plans(deployment, types)
+    for role, host in hosts.items():
+        cloud.note(f"{role}: {host.describe()}")
+        if host.idle and not cloud.dry_run:
+            cloud.note(f"WARNING: {host.idle} accelerator(s) of each {role} host stay idle: set hosts.{host.platform}"
+                       ".tensor_parallel_size and instances_per_host so that they fill it")
     images: dict[str, tuple[str, str]] = {}  # platform -> (image id, root device name)
     for platform in sorted({info.platform for info in types.values()}):
         image_id, source = ami.resolve(cloud, platform, deployment.ami_id, deployment.allow_stock_ami)
@@ -168,18 +177,26 @@ def launch(cloud: Cloud, deployment: DeploymentConfig,
         cloud.note(f"{platform} instances boot {image_id}: {source}")
     vpc_id, zone = subnet_facts(cloud, deployment.subnet_id)
     preflight.check_zone_offers(cloud, zone, [deployment.prefill.instance_type, deployment.decode.instance_type])
-    preflight.check_outbound(cloud, deployment.subnet_id, vpc_id, reads_ssm=not deployment.secret_in_user_data)
+    preflight.check_outbound(cloud, deployment.subnet_id, vpc_id, reads_ssm=bool(deployment.parameters_read_at_boot),
+                             model=deployment.model)
+    if deployment.hf_token_ssm_parameter:
+        secret_parameter.check_exists(cloud, deployment.hf_token_ssm_parameter, "the Hugging Face token")
     reserved = check_reservations(cloud, deployment, zone, types)
     tags = deployment.resource_tags()
     result = LaunchResult()
     launches = plan_launches(deployment)
     scripts = [user_data.render(deployment, [(m.role, m.index) for m in group.members],  # type: ignore[misc]
-                                secret=secret if deployment.secret_in_user_data else None) for group in launches]
+                                secret=secret if deployment.secret_in_user_data else None, hosts=hosts,
+                                deadline_s=sizing.serving_deadline_s(deployment, types[group.instance_type].platform
+                                                                     or "cuda"))
+               for group in launches]
     for group, script in zip(launches, scripts):
         preflight.check_user_data(script, group.instance_type)
     members = [m for group in launches for m in group.members]
     preflight.check_tag_count(deployment, {m.name: instance_tags(deployment, m) for m in members},
                               router=next(m.name for m in members if m.router))
+    quotas.check(cloud, [(group.instance_type, len(group.members), bool(group.capacity_block_id))
+                         for group in launches], types)
     bill = cost.summary(deployment.name, cloud.region, cost.estimate(cloud, cloud.region, [
         (group.instance_type, len(group.members),
          bool(group.capacity_block_id) and reserved[group.capacity_block_id].capacity_block) for group in launches]),

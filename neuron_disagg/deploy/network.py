@@ -76,17 +76,30 @@ def delete_placement_group(cloud: Cloud, deployment: str) -> bool:
 
 
 # -- security group ----------------------------------------------------------------------------------
-def find_security_group(cloud: Cloud, name: str, vpc_id: str | None = None,
-                        deployment: str | None = None) -> dict[str, Any] | None:
+def find_security_groups(cloud: Cloud, name: str, vpc_id: str | None = None,
+                         deployment: str | None = None) -> list[dict[str, Any]]:
+    """Every group of that name (in ``vpc_id``, tagged with ``deployment``, where given). A group name is
+    unique per VPC only: a deployment relaunched into another VPC's subnet has one in each."""
     filters = [{"Name": "group-name", "Values": [name]}]
     if vpc_id:
         filters.append({"Name": "vpc-id", "Values": [vpc_id]})
     if deployment:
         filters.append({"Name": "tag:neuron-disagg:deployment", "Values": [deployment]})
-    response = cloud.call("ec2", "DescribeSecurityGroups", Filters=filters)
-    if response is None:
-        return None
-    groups = response.get("SecurityGroups", [])
+    groups: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        response = cloud.call("ec2", "DescribeSecurityGroups", Filters=filters, **({"NextToken": token} if token else {}))
+        if response is None:
+            return groups
+        groups += response.get("SecurityGroups", [])
+        token = response.get("NextToken")
+        if not token:
+            return groups
+
+
+def find_security_group(cloud: Cloud, name: str, vpc_id: str | None = None,
+                        deployment: str | None = None) -> dict[str, Any] | None:
+    groups = find_security_groups(cloud, name, vpc_id, deployment)
     return groups[0] if groups else None
 
 
@@ -119,22 +132,30 @@ def ensure_security_group(cloud: Cloud, deployment: str, vpc_id: str, tags: dict
     return group["GroupId"]
 
 
-def delete_security_group(cloud: Cloud, deployment: str, timeout_s: float, poll_s: float) -> bool:
-    """Delete our group, retrying while terminated instances' interfaces still hold it."""
+def delete_security_groups(cloud: Cloud, deployment: str, timeout_s: float, poll_s: float) -> list[str]:
+    """Delete every group of ours with the deployment's name (one per VPC it was launched into),
+    retrying while terminated instances' interfaces still hold one. Returns the ids deleted."""
     name = resource_name(deployment)
-    group = find_security_group(cloud, name, deployment=deployment)
+    groups = find_security_groups(cloud, name, deployment=deployment)
     if cloud.dry_run:
-        cloud.call("ec2", "DeleteSecurityGroup", GroupId=placeholder(f"GroupId of {name}"))
-        return True
-    if group is None:
-        return False
-    if not _ours(group.get("Tags", []), deployment):
-        cloud.note(f"leaving security group {name}: it was not created by launch of {deployment}")
-        return False
+        cloud.call("ec2", "DeleteSecurityGroup", GroupId=placeholder(f"GroupId of each {name}"))
+        return [placeholder(f"GroupId of each {name}")]
+    deleted = []
+    for group in groups:
+        if not _ours(group.get("Tags", []), deployment):
+            cloud.note(f"leaving security group {name} ({group['GroupId']}): it was not created by launch of "
+                       f"{deployment}")
+            continue
+        if _delete_security_group(cloud, group["GroupId"], timeout_s, poll_s):
+            deleted.append(group["GroupId"])
+    return deleted
+
+
+def _delete_security_group(cloud: Cloud, group_id: str, timeout_s: float, poll_s: float) -> bool:
     waited = 0.0
     while True:
         try:
-            cloud.call("ec2", "DeleteSecurityGroup", GroupId=group["GroupId"])
+            cloud.call("ec2", "DeleteSecurityGroup", GroupId=group_id)
             return True
         except AwsCallFailed as exc:
             if exc.code == "InvalidGroup.NotFound":

@@ -6,7 +6,8 @@ volume smaller than the image's snapshot).
 
 Instances with several network interfaces (every EFA type here) get no public IP address, so an
 internet gateway alone does not reach them out: the secret (SSM) and the model download need a NAT
-gateway (or another default route such as a transit gateway), or VPC endpoints for what is read. A
+gateway (or another default route such as a transit gateway). Without one, only a model already on
+the image can serve (and an SSM endpoint must carry the secret). A
 VPC peering connection is no way out either: the peer VPC does not forward traffic on to its own
 NAT or internet gateway (no transitive routing).
 """
@@ -68,8 +69,10 @@ def _route_table(cloud: Cloud, subnet_id: str, vpc_id: str) -> dict[str, Any] | 
     return None
 
 
-def check_outbound(cloud: Cloud, subnet_id: str, vpc_id: str, reads_ssm: bool) -> None:
-    """A default route the instances can use, or else an SSM endpoint (and a note about the model)."""
+def check_outbound(cloud: Cloud, subnet_id: str, vpc_id: str, reads_ssm: bool, model: str = "") -> None:
+    """A default route the instances can use. Without one, only a model already on the instances
+    (a path) with, where they read SecureStrings, an SSM endpoint: a Hugging Face model downloads
+    at every vLLM start, and a host that cannot download it never serves."""
     table = _route_table(cloud, subnet_id, vpc_id)
     if cloud.dry_run:
         return
@@ -90,14 +93,20 @@ def check_outbound(cloud: Cloud, subnet_id: str, vpc_id: str, reads_ssm: bool) -
         why = "its default route's target does not lead out of the VPC"
     else:
         why = "it has no default route"
+    fix = ("Add a NAT gateway route (0.0.0.0/0 -> nat-...) to its route table, or use another subnet (examples/README.md, "
+           "step 2)")
     if reads_ssm and "ssm" not in services:
         raise SubnetUnusable(
             f"subnet {subnet_id} cannot reach AWS or the internet ({why}): the instances could not read the "
-            "deployment secret from SSM nor download the model. Add a NAT gateway route (0.0.0.0/0 -> nat-...) to "
-            "its route table, or VPC endpoints for ssm (and the model's source), or use another subnet")
-    cloud.note(f"WARNING: subnet {subnet_id} has no route to the internet ({why}); "
-               + ("the secret is read through the VPC's SSM endpoint, but " if reads_ssm else "")
-               + "the model download from Hugging Face will fail unless the model is on the image or an endpoint")
+            f"deployment secret from SSM nor download the model. {fix}, or VPC endpoints for ssm (and a model "
+            "already on the image)")
+    if not model.startswith("/"):
+        raise SubnetUnusable(
+            f"subnet {subnet_id} has no route to the internet ({why}): the instances could not download {model} "
+            f"from Hugging Face, and hosts that never serve would bill until their serving deadline. {fix}; or "
+            "set model to a path the image already holds")
+    cloud.note(f"subnet {subnet_id} has no route to the internet ({why}); the model is a path on the image"
+               + (" and SecureStrings are read through the VPC's SSM endpoint" if reads_ssm else ""))
 
 
 # -- limits EC2 checks only when it runs ------------------------------------------------------------------
@@ -124,7 +133,7 @@ def check_user_data(script: str, instance_type: str) -> None:
         return
     cases = _lines(r"^ *\d+\) ROLE=.*$", script)
     names = _lines(r"^# neuron-disagg .* of deployment .*$", script)[:1]
-    args = _lines(r"^VLLM_ARGS=.*$", script)
+    args = _lines(r"^ *printf 'VLLM_ARGS=.*$", script)
     config = re.search(r"config\.yaml\" <<'(\w+)'\n(.*?)^\1$", script, flags=re.MULTILINE | re.DOTALL)
     parts = []
     if cases:

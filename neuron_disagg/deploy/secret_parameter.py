@@ -111,3 +111,45 @@ def describe_state(cloud: Cloud, name: str, deployment: str) -> str:
         return "unknown (the credentials may not call ssm:ListTagsForResource)"
     return {"ours": "exists (created by launch)", "foreign": "exists, not created by launch of this deployment",
             "missing": "does not exist", "unknown": "unknown"}[found]
+
+
+def check_exists(cloud: Cloud, name: str, what: str) -> None:
+    """Refuses a launch whose instances would read ``name`` at boot and find nothing (a SecureString the
+    user creates, such as the Hugging Face token's): every vLLM start would fail and the hosts would
+    bill until their deadline. DescribeParameters, which never returns a value."""
+    try:
+        response = cloud.call("ssm", "DescribeParameters",
+                              ParameterFilters=[{"Key": "Name", "Option": "Equals", "Values": [name]}])
+    except PermissionDenied:
+        cloud.note(f"WARNING: cannot check that SecureString {name} ({what}) exists: the credentials may not call "
+                   "ssm:DescribeParameters")
+        return
+    if response is None:
+        return
+    if not response.get("Parameters"):
+        raise DeploymentConfigError(
+            f"SecureString {name} ({what}) does not exist in {cloud.region}: create it, e.g. `aws ssm put-parameter "
+            f"--name {name} --type SecureString --value hf_...` (a token from huggingface.co/settings/tokens), or "
+            "drop hf_token_ssm_parameter for a model that is not gated")
+
+
+def deployment_parameters(cloud: Cloud, deployment: str) -> list[str]:
+    """Every parameter launch of ``deployment`` created (tagged so), whatever secret_ssm_parameter names
+    now: a parameter left by a launch under an earlier name is found too. [] in a dry run or where the
+    credentials may not look."""
+    names: list[str] = []
+    token: str | None = None
+    filters = [{"Key": f"tag:{DEPLOYMENT_TAG}", "Values": [deployment]},
+               {"Key": f"tag:{CREATED_BY_TAG}", "Values": ["launch"]}]
+    while True:
+        try:
+            page = cloud.call("ssm", "DescribeParameters", ParameterFilters=filters,
+                              **({"NextToken": token} if token else {}))
+        except PermissionDenied:
+            return names
+        if page is None:
+            return names
+        names += [p["Name"] for p in page.get("Parameters", [])]
+        token = page.get("NextToken")
+        if not token:
+            return sorted(names)

@@ -1,9 +1,12 @@
 """The deployment config file: where (region, subnet), on what (instance types, counts xPyD),
-serving what (model, TP, vLLM args), and the neuron-disagg ``Config`` every instance gets.
+serving what (model, vLLM args), how each platform's host is used (``hosts``: TP per vLLM
+instance, instances per host), and the neuron-disagg ``Config`` every instance gets.
 
 One YAML file serves trn2 and p5en alike: instance types, counts, region, subnet and key pair may
-come from flags instead (``with_overrides``), so a model config is shared unchanged between
-platforms. Validation is strict (unknown keys fail) and happens before any AWS call.
+come from flags instead (``with_overrides``), and ``hosts`` says per platform how a host is cut
+into vLLM instances, so a model config is shared unchanged between platforms whose hosts differ (64
+logical NeuronCores on a trn2.48xlarge, 8 GPUs on a p5en.48xlarge). Validation is strict (unknown
+keys fail) and happens before any AWS call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ SECRET_PARAMETER_TEMPLATE = "/neuron-disagg/{name}/secret"
 
 
 _IMDS_TAG_KEY = re.compile(r"[A-Za-z0-9+\-=.,_:@]+")
+#: max_hours unless the config says otherwise: a first launch forgotten overnight stops on its own.
+DEFAULT_MAX_HOURS = 8.0
 
 
 class RoleGroup(BaseModel):
@@ -42,6 +47,32 @@ class RoleGroup(BaseModel):
         None, pattern=r"^cr-[0-9a-f]+$",
         description="a capacity reservation (cr-...) these instances run in: a purchased Capacity Block or an "
                     "On-Demand Capacity Reservation; launch checks which, and that it fits, before creating anything")
+
+
+class HostUse(BaseModel):
+    """How a host of one platform is used: ``instances_per_host`` vLLM instances of the host's role
+    side by side, each on its own ``tensor_parallel_size`` accelerators (logical NeuronCores at the
+    default LNC=2 on Trainium2, GPUs on p5en). What is unset fills the host: neither set, one instance
+    on every accelerator; one set, the other as large as the host allows (``sizing.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=128, description="accelerators per vLLM instance (unset: the host's divided by instances_per_host)")
+    instances_per_host: int | None = Field(
+        None, ge=1, le=64, description="vLLM instances per host (unset: as many as tensor_parallel_size fits)")
+
+
+class Hosts(BaseModel):
+    """``HostUse`` per platform: the one file serves Trainium (neuron) and GPU (cuda) hosts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    neuron: HostUse = Field(default_factory=HostUse, description="trn2, trn1 hosts")
+    cuda: HostUse = Field(default_factory=HostUse, description="p5en, p5 hosts")
+
+    def of(self, platform: str) -> HostUse:
+        return self.neuron if platform == "neuron" else self.cuda
 
 
 class RouterSettings(BaseModel):
@@ -75,7 +106,7 @@ class DeploymentConfig(BaseModel):
     root_volume_gib: int = Field(500, ge=64, le=16384)
 
     model: str = Field(..., min_length=1, description="Hugging Face id or local path on the instance")
-    tensor_parallel_size: int = Field(8, ge=1, le=64)
+    hosts: Hosts = Field(default_factory=Hosts, description="per platform: TP per vLLM instance, instances per host")
     max_model_len: int | None = Field(None, ge=16)
     vllm_args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
     prefill: RoleGroup = Field(default_factory=RoleGroup)
@@ -91,9 +122,18 @@ class DeploymentConfig(BaseModel):
     secret_in_user_data: bool = Field(
         False, description="put the secret into the instances' user data instead of SSM, for accounts "
                            "without an instance profile; anyone allowed ec2:DescribeInstanceAttribute can read it")
-    max_hours: float | None = Field(
-        None, gt=0, le=8760, description="each instance powers off, and so terminates, this many hours after "
-                                          "its boot: a forgotten deployment stops billing on its own")
+    hf_token_ssm_parameter: str | None = Field(
+        None, pattern=r"^/[A-Za-z0-9_./-]+$", max_length=1011,
+        description="SecureString holding a Hugging Face token (a gated model needs one), created by you; each "
+                    "instance reads it at boot with its instance profile into HF_TOKEN of its vLLM units")
+    max_hours: float = Field(
+        DEFAULT_MAX_HOURS, ge=0, le=8760,
+        description="each instance powers off, and so terminates, this many hours after its first boot, "
+                    "reboots included (ami/boot/guard.sh): a forgotten deployment stops billing on its own; 0: never")
+    serving_deadline_minutes: int | None = Field(
+        None, ge=10, le=1440,
+        description="P, D and the router must answer /health this many minutes after each boot, or the host says "
+                    "why on its console and powers off; unset: the platform's warm-up and a margin (sizing.py)")
     tags: dict[str, str] = Field(default_factory=dict, description="added to every resource")
     neuron_disagg: Config = Field(default_factory=Config,
                                   description="the neuron-disagg Config each instance runs with")
@@ -114,7 +154,17 @@ class DeploymentConfig(BaseModel):
             raise ValueError("model may hold only letters, digits and _./:=,+@%- (a Hugging Face id or a path)")
         return model
 
-    @field_validator("secret_ssm_parameter")
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_size_per_platform(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "tensor_parallel_size" in values:
+            raise ValueError(
+                "tensor_parallel_size belongs under hosts, per platform (hosts.neuron.tensor_parallel_size, "
+                "hosts.cuda.tensor_parallel_size): one file serves trn2 (64 logical NeuronCores) and p5en (8 GPUs), "
+                "and one TP for both leaves most of a trn2 idle or overfills a p5en")
+        return values
+
+    @field_validator("secret_ssm_parameter", "hf_token_ssm_parameter")
     @classmethod
     def _not_reserved_parameter(cls, name: str | None) -> str | None:
         if name and name.lower().startswith(("/aws", "/ssm")):
@@ -151,7 +201,7 @@ class DeploymentConfig(BaseModel):
             lines = []
             for err in exc.errors():
                 field = ".".join(str(p) for p in err["loc"]) or "(config)"
-                given = f" (got {err['input']!r})" if err["type"] != "missing" else ""
+                given = f" (got {err['input']!r})" if err["type"] != "missing" and err["loc"] else ""
                 lines.append(f"  {field}: {err['msg']}{given}")
             raise DeploymentConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
 
@@ -196,7 +246,13 @@ class DeploymentConfig(BaseModel):
     def require_launchable(self) -> None:
         self.require("region", "subnet_id", "prefill.instance_type", "decode.instance_type")
         if not self.secret_in_user_data and not self.iam_instance_profile:
-            raise DeploymentConfigError(missing_instance_profile_advice(self.secret_parameter, self.name))
+            raise DeploymentConfigError(missing_instance_profile_advice(self.secret_parameter, self.name,
+                                                                        self.hf_token_ssm_parameter))
+        if self.hf_token_ssm_parameter and not self.iam_instance_profile:
+            raise DeploymentConfigError(
+                f"hf_token_ssm_parameter {self.hf_token_ssm_parameter} is read at boot with the instances' profile, "
+                "and there is no iam_instance_profile: create one (`neuron-disagg instance-profile CONFIG --name "
+                f"{self.name}`) and set it")
 
     # -- derived --------------------------------------------------------------------------------------
     def instance_config(self) -> dict[str, Any]:
@@ -208,11 +264,19 @@ class DeploymentConfig(BaseModel):
         Config.from_mapping(values)  # still valid after our changes
         return values
 
-    def vllm_serve_args(self, port: int) -> list[str]:
-        args = ["--host", "0.0.0.0", "--port", str(port), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+    def vllm_serve_args(self, tensor_parallel_size: int) -> list[str]:
+        """Every instance's `vllm serve` arguments but --host and --port, which differ per instance."""
+        args = ["--tensor-parallel-size", str(tensor_parallel_size)]
         if self.max_model_len:
             args += ["--max-model-len", str(self.max_model_len)]
         return args + list(self.vllm_args)
+
+    @property
+    def parameters_read_at_boot(self) -> list[str]:
+        """The SecureStrings each instance reads with its role: the secret's (unless it travels in user data)
+        and the Hugging Face token's, if any."""
+        read = [] if self.secret_in_user_data else [self.secret_parameter]
+        return read + ([self.hf_token_ssm_parameter] if self.hf_token_ssm_parameter else [])
 
     @property
     def secret_parameter(self) -> str:
@@ -233,10 +297,12 @@ SESSIONS_POLICY = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Action": list(SESSION_ACTIONS), "Resource": "*"}]}
 
 
-def secret_policy(parameter: str) -> dict[str, Any]:
-    """ssm:GetParameter on one deployment's parameter alone, and kms:Decrypt only through SSM."""
+def secret_policy(parameter: str, *more: str) -> dict[str, Any]:
+    """ssm:GetParameter on one deployment's parameter (and ``more``, e.g. its Hugging Face token's) alone,
+    and kms:Decrypt only through SSM."""
+    arns = [f"arn:aws:ssm:*:*:parameter{name}" for name in (parameter, *more)]
     return {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": f"arn:aws:ssm:*:*:parameter{parameter}"},
+        {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arns[0] if len(arns) == 1 else arns},
         {"Effect": "Allow", "Action": "kms:Decrypt", "Resource": "*",
          "Condition": {"StringLike": {"kms:ViaService": "ssm.*.amazonaws.com"}}}]}
 
@@ -245,15 +311,16 @@ def instance_role_name(deployment: str) -> str:
     return f"neuron-disagg-{deployment}"
 
 
-def missing_instance_profile_advice(parameter: str, deployment: str) -> str:
+def missing_instance_profile_advice(parameter: str, deployment: str, hf_token_parameter: str | None = None) -> str:
     """What to do when the instances would have no role to read the secret with: the commands that
     create one for this deployment (the same as examples/README.md, step 2), or the inline opt-in
     and its cost. One role per deployment, allowed exactly its own parameter: an instance of one
     deployment cannot read another's secret. SSM sessions get the few actions they need rather than
     AmazonSSMManagedInstanceCore, which also allows ssm:GetParameter on every parameter."""
     role = instance_role_name(deployment)
+    extra = (hf_token_parameter,) if hf_token_parameter else ()
     policy, sessions, trust = (json.dumps(p, separators=(",", ":"))
-                               for p in (secret_policy(parameter), SESSIONS_POLICY, TRUST_POLICY))
+                               for p in (secret_policy(parameter, *extra), SESSIONS_POLICY, TRUST_POLICY))
     return (
         f"no iam_instance_profile: launch stores the deployment secret in the SSM SecureString {parameter} "
         "and each instance reads it at boot with its instance profile's role, so the instances need one.\n"

@@ -14,7 +14,8 @@ and puts each into one directory, installing nothing system-wide:
   linked, so a process holds one runtime), else NVIDIA's from its PyPI wheel (it loads without any
   GPU). A GPU DLAMI has the driver but no runtime on the linker's path;
 - ``libhwloc.so.15``: the distribution's hwloc package, unpacked (``apt-get download`` /
-  ``dnf download``).
+  ``dnf download``). apt waits up to ``APT_LOCK_TIMEOUT_S`` (300 s) for the package system's lock: on
+  a fresh DLAMI its own apt jobs may hold it while the bake runs.
 
 Then it loads NIXL's LIBFABRIC backend with the directory on LD_LIBRARY_PATH, and only if that works
 marks the directory as good. ``neuron-disagg serve`` puts it on vLLM's LD_LIBRARY_PATH; ``doctor``
@@ -45,6 +46,13 @@ CUDART_WHEELS = {"13": ("nvidia-cuda-runtime==13.0.96", "nvidia/cu13/lib/libcuda
                  "12": ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia/cuda_runtime/lib/libcudart.so.12")}
 #: ``--platform``: what the host's accelerator is. Only on Neuron is libcuda.so.1 ours to provide.
 PLATFORMS = ("neuron", "cuda")
+
+
+def apt_get(*args: str) -> list[str]:
+    """An apt-get command that waits for the package system's lock (held by a fresh DLAMI's own apt jobs)
+    instead of failing at once."""
+    timeout = os.environ.get("APT_LOCK_TIMEOUT_S", "300")
+    return ["apt-get", "-o", f"DPkg::Lock::Timeout={timeout}", *args]
 
 _PROBE = r"""
 import json, sys
@@ -214,12 +222,12 @@ def _hwloc(directory: Path) -> None:
         root = Path(tmp) / "root"
         if shutil.which("apt-get") and shutil.which("dpkg-deb"):
             try:
-                _run(["apt-get", "download", "libhwloc15"], tmp, "apt-get download libhwloc15")
+                _run(apt_get("download", "libhwloc15"), tmp, "apt-get download libhwloc15")
             except FabricLibsError:
                 if os.geteuid() != 0:
                     raise
-                _run(["apt-get", "update", "-q"], tmp, "apt-get update")  # stale package lists
-                _run(["apt-get", "download", "libhwloc15"], tmp, "apt-get download libhwloc15")
+                _run(apt_get("update", "-q"), tmp, "apt-get update")  # stale package lists
+                _run(apt_get("download", "libhwloc15"), tmp, "apt-get download libhwloc15")
             _run(["dpkg-deb", "-x", str(next(Path(tmp).glob("libhwloc15_*.deb"))), str(root)], tmp, "dpkg-deb")
         elif shutil.which("dnf") and shutil.which("rpm2cpio"):
             _run(["dnf", "download", "--destdir", tmp, "hwloc-libs"], tmp, "dnf download hwloc-libs")

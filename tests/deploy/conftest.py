@@ -10,6 +10,9 @@ What moto 5.2 lacks, and what stands in (each visible in the tests that use it):
   each RunInstances request as serialized on the wire, and the layout tests read that.
 - SSM ``/aws/...`` public parameters (the DLAMI ids): ``PublicParameters`` answers GetParameter of
   those the same way; every other SSM call (the deployment secret's SecureString) goes to moto.
+- Service Quotas for EC2 (moto's holds the VPC quotas only): ``ServiceQuotas`` answers GetServiceQuota
+  and GetAWSDefaultServiceQuota for EC2's vCPU quotas, shaped as AWS answers (tests/deploy/test_quotas.py
+  also checks the shapes against botocore's model with its Stubber).
 - Capacity Blocks: botocore's Stubber on the client.
 - an InsufficientInstanceCapacity answer: ``MotoGaps.fail_run_instances``.
 - failures moto never gives: CreateTags answering InvalidInstanceID.NotFound (EC2's eventual
@@ -244,9 +247,61 @@ class PublicParameters:
         return _answer({"Parameter": {"Name": name, "Type": "String", "Value": self.values[name]}})
 
 
+class ServiceQuotas:
+    """EC2's vCPU quotas, which moto's Service Quotas lacks: ``applied`` (quota code -> vCPUs) answers
+    GetServiceQuota, a code without an applied value answers NoSuchResourceException, as AWS does, and
+    GetAWSDefaultServiceQuota answers ``defaults``. ``denied``: AccessDeniedException to both."""
+
+    NAMES = {"L-2C3B7624": "Running On-Demand Trn instances", "L-417A185B": "Running On-Demand P instances",
+             "L-1945791B": "Running On-Demand Inf instances"}
+
+    def __init__(self) -> None:
+        # Enough for every launch of the other tests; test_quotas.py sets what it checks.
+        self.applied: dict[str, float] = {code: 100_000.0 for code in self.NAMES}
+        self.defaults: dict[str, float] = {code: 0.0 for code in self.NAMES}
+        self.denied = False
+        self.asked: list[tuple[str, str]] = []  # (operation, quota code)
+        self._params: dict[str, Any] = {}
+
+    def install(self, session: boto3.Session) -> None:
+        session.events.register("before-parameter-build.service-quotas.*", self._keep_params)
+        session.events.register("before-call.service-quotas.GetServiceQuota", self._applied)
+        session.events.register("before-call.service-quotas.GetAWSDefaultServiceQuota", self._default)
+
+    def _keep_params(self, params, **_):
+        self._params = dict(params)
+
+    def quota(self, code: str, value: float) -> dict[str, Any]:
+        return {"ServiceCode": "ec2", "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
+                "QuotaArn": f"arn:aws:servicequotas:{REGION}:123456789012:ec2/{code}", "QuotaCode": code,
+                "QuotaName": self.NAMES.get(code, code), "Value": value, "Unit": "None", "Adjustable": True,
+                "GlobalQuota": False}
+
+    def _applied(self, **_):
+        code = self._params["QuotaCode"]
+        self.asked.append(("GetServiceQuota", code))
+        if self.denied:
+            return error("AccessDeniedException", "User is not authorized to perform: servicequotas:GetServiceQuota")
+        if self._params.get("ServiceCode") != "ec2" or code not in self.applied:
+            return error("NoSuchResourceException", f"The request failed because the specified quota {code} does not exist.")
+        return _answer({"Quota": self.quota(code, self.applied[code])})
+
+    def _default(self, **_):
+        code = self._params["QuotaCode"]
+        self.asked.append(("GetAWSDefaultServiceQuota", code))
+        if self.denied:
+            return error("AccessDeniedException", "not authorized")
+        return _answer({"Quota": self.quota(code, self.defaults.get(code, 0.0))})
+
+
 @pytest.fixture
 def gaps() -> MotoGaps:
     return MotoGaps()
+
+
+@pytest.fixture
+def service_quotas() -> ServiceQuotas:
+    return ServiceQuotas()
 
 
 @pytest.fixture
@@ -255,10 +310,11 @@ def public_parameters() -> PublicParameters:
 
 
 @pytest.fixture
-def session(aws_env, gaps, public_parameters) -> boto3.Session:
+def session(aws_env, gaps, public_parameters, service_quotas) -> boto3.Session:
     s = boto3.Session(region_name=REGION)
     gaps.install(s)
     public_parameters.install(s)
+    service_quotas.install(s)
     return s
 
 
@@ -337,7 +393,8 @@ def cloud(session, instance_profile) -> Cloud:
 
 def write_config(tmp_path: Path, network: dict[str, str] | None = None, **values: Any) -> Path:
     data: dict[str, Any] = {
-        "name": "t1", "region": REGION, "model": "Qwen/Qwen3-32B", "tensor_parallel_size": 8,
+        "name": "t1", "region": REGION, "model": "Qwen/Qwen3-32B",
+        "hosts": {"neuron": {"tensor_parallel_size": 8}, "cuda": {"tensor_parallel_size": 8}},
         "prefill": {"instance_type": "trn2.48xlarge", "count": 1},
         "decode": {"instance_type": "trn2.48xlarge", "count": 1},
         "key_name": "my-key", "iam_instance_profile": INSTANCE_PROFILE,

@@ -63,22 +63,25 @@ def blocks(items: list[dict], kind: str) -> dict[str, dict]:
     return found
 
 
-def test_template_has_a_trainium_and_a_gpu_source_from_the_public_ssm_parameters(template):
+def test_template_has_a_trainium_source_pinned_by_sdk_and_a_gpu_source_from_its_ssm_parameter(template):
     sources = blocks(template["source"], "amazon-ebs")
     assert set(sources) == {"neuron", "cuda"}
     data = blocks(template["data"], "amazon-parameterstore")
     variables = {unquote(k): v for item in template["variable"] for k, v in item.items()}
     local = {unquote(k): v for item in template["locals"] for k, v in item.items()}
+    # The GPU DLAMI: its SSM parameter's latest unless an AMI id is pinned; the tag records which.
+    cuda = sources["cuda"]
+    assert unquote(cuda["source_ami"]) == "${local.cuda_source_ami}"
+    assert local["cuda_source_ami"] == "${coalesce(var.cuda_source_ami, data.amazon-parameterstore.cuda_dlami.value)}"
+    assert unquote(data["cuda_dlami"]["name"]) == "${var.cuda_ssm_parameter}"
+    assert unquote(variables["cuda_ssm_parameter"]["default"]) == ami.DLAMI_PARAMETERS["cuda"]
+    assert '"neuron-disagg:source-ami" = local.cuda_source_ami' in cuda["tags"]
+    # The Neuron DLAMI: the pinned SDK release's (test_bake.py), an AMI id only if it is one of them.
+    neuron = sources["neuron"]
+    assert unquote(neuron["source_ami"]) == "${var.neuron_source_ami}" and "neuron_dlami" not in data
+    assert '"neuron-disagg:source-ami" = "{{ .SourceAMI }}"' in neuron["tags"]
     for platform, source in sources.items():
-        # the SSM parameter's latest unless an AMI id is pinned; the tag records which
-        assert unquote(source["source_ami"]) == f"${{local.{platform}_source_ami}}"
-        assert local[f"{platform}_source_ami"] == (f"${{coalesce(var.{platform}_source_ami, "
-                                                   f"data.amazon-parameterstore.{platform}_dlami.value)}}")
         assert variables[f"{platform}_source_ami"]["default"] is None
-        assert f'"neuron-disagg:source-ami" = local.{platform}_source_ami' in source["tags"]
-        assert unquote(data[f"{platform}_dlami"]["name"]) == f"${{var.{platform}_ssm_parameter}}"
-        # the same parameter launch falls back to when no baked AMI exists
-        assert unquote(variables[f"{platform}_ssm_parameter"]["default"]) == ami.DLAMI_PARAMETERS[platform]
         # the tag launch finds the baked AMI by
         assert f'"{ami.PLATFORM_TAG}" = "{platform}"' in source["tags"]
 

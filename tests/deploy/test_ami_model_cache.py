@@ -167,7 +167,7 @@ def test_the_units_read_the_cache_env_after_fabric_env():
     """prefill and decode want the model-cache unit, start after it, and read its file (optional:
     '-') after fabric.env, whose HF_HOME it overrides."""
     for role in ("prefill", "decode"):
-        text = (REPO / f"ami/units/neuron-disagg-{role}.service").read_text()
+        text = (REPO / f"ami/units/neuron-disagg-{role}@.service").read_text()
         assert "neuron-disagg-model-cache.service" in next(l for l in text.splitlines() if l.startswith("Wants="))
         assert "neuron-disagg-model-cache.service" in next(l for l in text.splitlines() if l.startswith("After="))
         files = [l.split("=", 1)[1] for l in text.splitlines() if l.startswith("EnvironmentFile=")]

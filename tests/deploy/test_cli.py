@@ -121,7 +121,8 @@ def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami,
     lines = out.splitlines()
     assert lines[0].split()[:5] == ["NAME", "INSTANCE_ID", "ROLE", "INSTANCE_TYPE", "STATE"]
     assert any("cli-decode-0" in line and "trn1.32xlarge" in line for line in lines)
-    assert lines[-1] == "secret: SecureString /neuron-disagg/cli/secret exists (created by launch)"
+    assert lines[-2] == "secret: SecureString /neuron-disagg/cli/secret exists (created by launch)"
+    assert lines[-1].startswith("also in the account: security group neuron-disagg-cli (sg-")
 
     assert cli.main(["status", config, "--name", "cli", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
@@ -146,7 +147,7 @@ def test_a_live_launch_nobody_confirmed_creates_nothing(use_session, network, ba
     assert cli.main(["launch", config, "--instance-type", "p5en.48xlarge"]) == LaunchNotConfirmed.exit_code
     err = capsys.readouterr().err
     assert "launch t1 in us-east-2:\n  2 x p5en.48xlarge: $63.30/h each" in err
-    assert "about $126.59 an hour, $3,038 a day" in err and "terminates 6 h after its boot (max_hours): at most about $760" in err
+    assert "about $126.59 an hour, $3,038 a day" in err and "terminates 6 h after its first boot, reboots included (max_hours): at most about $760" in err
     assert "not launched: no terminal to confirm at; pass --yes to launch" in err
     assert ec2.describe_instances()["Reservations"] == [] and gaps.placement_groups == {}
     assert {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]} == {"default"}

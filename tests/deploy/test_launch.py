@@ -96,7 +96,8 @@ def test_launch_creates_placement_group_security_group_and_instances(cloud, netw
     assert script == user_data(ec2, launched["prefill"]["InstanceId"])  # one script: the launch index decides
     assert "0) ROLE=prefill; INDEX=0 ;;" in script and "1) ROLE=decode; INDEX=0 ;;" in script
     # the secret comes from SSM, not from the user data
-    assert "ssm get-parameter --region us-east-2 --with-decryption --name /neuron-disagg/t1/secret" in script
+    assert "aws ssm get-parameter --region us-east-2 --with-decryption --name \"$1\"" in script
+    assert 'fetch_secure_string /neuron-disagg/t1/secret "$ETC/secret"' in script
     assert SECRET not in script and base64.b64encode(SECRET.encode()).decode() not in script
     ips = {role: i["PrivateIpAddress"] for role, i in launched.items()}
     assert tags(launched["prefill"])["neuron-disagg:peers-count"] == "2"
@@ -172,9 +173,12 @@ def test_xpyd_launches_each_type_in_one_call_and_the_router_host_learns_every_ad
                             instance_tags=tags(by_id[router.instance_id]), host_ip=router.private_ip)
     assert done.returncode == 0, done.stdout + done.stderr
     args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"]
-    for planned in result.instances:
-        flag, port = ("--prefill", "8100,tp=8") if planned.role == "prefill" else ("--decode", "8200")
-        assert f"{flag} http://{planned.private_ip}:{port}" in args
+    for planned in result.instances:  # each host's every instance: 8 on a trn2.48xlarge, 1 on a p5en.48xlarge
+        flag, port, count = ("--prefill", 8100, 8) if planned.role == "prefill" else ("--decode", 8200, 1)
+        for k in range(count):
+            ip = planned.private_ip
+            assert f"{flag} http://{ip}:{port + k},side_channel={ip}:{5600 + 8 * k},tp=8" in args
+        assert f"{flag} http://{planned.private_ip}:{port + count}," not in args
     assert "enable --now neuron-disagg-router.service" in (root / "systemctl.log").read_text()
 
 
@@ -382,11 +386,16 @@ def test_a_subnet_the_instances_cannot_reach_out_of_fails_before_anything_is_cre
     assert gaps.placement_groups == {} and gaps.run_instances_wire == []
 
 
-def test_with_an_ssm_endpoint_and_no_nat_launch_goes_on_and_warns_about_the_model(cloud, network, baked_ami, ec2,
-                                                                                  tmp_path):
+def test_without_a_route_out_only_a_model_on_the_image_can_launch(cloud, network, baked_ami, gaps, ec2, tmp_path):
+    """An SSM endpoint carries the secret, but a Hugging Face model downloads at every vLLM start: hosts
+    that cannot download it never serve, so launch refuses them before anything exists."""
     ec2.delete_route(RouteTableId=network["route_table"], DestinationCidrBlock="0.0.0.0/0")
     ec2.create_vpc_endpoint(VpcId=network["vpc_id"], ServiceName=f"com.amazonaws.{REGION}.ssm",
                             VpcEndpointType="Interface", SubnetIds=[network["subnet_id"]])
-    launch(cloud, deployment(tmp_path, network))
+    with pytest.raises(SubnetUnusable, match="could not download Qwen/Qwen3-32B from Hugging Face.*NAT gateway.*"
+                                             "a path the image already holds"):
+        launch(cloud, deployment(tmp_path, network))
+    assert gaps.placement_groups == {} and gaps.run_instances_wire == []
+    launch(cloud, deployment(tmp_path, network, model="/opt/models/Qwen3-32B"))
     assert len(instances_of(ec2)) == 2
-    assert "model download from Hugging Face will fail" in cloud.log.getvalue()
+    assert "the model is a path on the image" in cloud.log.getvalue()

@@ -107,12 +107,12 @@ def test_status_says_why_a_boot_gave_up_and_keeps_the_terminated_instance_in_vie
 
     rows = {r["role"]: r for r in status(cloud, "t1")}
     assert rows["decode"]["state"] == "terminated"
-    assert rows["decode"]["reason"] == ("boot failed: could not read the deployment secret from SecureString "
+    assert rows["decode"]["reason"] == ("gave up: could not read the deployment secret from SecureString "
                                         "/neuron-disagg/t1/secret")
     assert "reason" not in rows["prefill"]
     out = io.StringIO()
     print_status(list(rows.values()), "t1", 8000, out)
-    assert f"t1-decode-0 ({by_role['decode']}) terminated: boot failed: could not read" in out.getvalue()
+    assert f"t1-decode-0 ({by_role['decode']}) terminated: gave up: could not read" in out.getvalue()
 
     ec2.terminate_instances(InstanceIds=[by_role["prefill"]])  # ended by someone: moto's sample console
     assert [r["role"] for r in status(cloud, "t1")] == ["decode"]

@@ -13,9 +13,10 @@ import io
 
 import pytest
 
-from neuron_disagg.deploy import ami, preflight, user_data
+from neuron_disagg.deploy import ami, preflight, sizing, user_data
 from neuron_disagg.deploy.cloud import DryRunCloud
 from neuron_disagg.deploy.errors import AmiNotFound, AmiWrongPlatform, LaunchLimitExceeded
+from neuron_disagg.deploy.instance_types import InstanceTypeInfo
 from neuron_disagg.deploy.launch import instance_tags, launch, plan_launches
 from neuron_disagg.deploy.preflight import SubnetUnusable
 from neuron_disagg.deploy.settings import DeploymentConfig
@@ -130,7 +131,9 @@ def test_which_route_targets_reach_out(route, out):
 # -- user data size -----------------------------------------------------------------------------------------
 
 def render_launches(config: DeploymentConfig) -> dict[str, str]:
-    return {group.instance_type: user_data.render(config, [(m.role, m.index) for m in group.members], secret=None)
+    types = {t: InstanceTypeInfo.unknown(t) for t in (config.prefill.instance_type, config.decode.instance_type)}
+    return {group.instance_type: user_data.render(config, [(m.role, m.index) for m in group.members], secret=None,
+                                                  hosts=sizing.plans(config, types), deadline_s=3600)
             for group in plan_launches(config)}
 
 

@@ -88,7 +88,7 @@ def test_named_parameter_is_used_by_launch_user_data_and_teardown(cloud, network
 
     assert ssm.get_parameter(Name="/prod/nd/t1-secret", WithDecryption=True)["Parameter"]["Value"] == SECRET
     assert parameter_missing(ssm, PARAMETER)
-    assert "--name /prod/nd/t1-secret" in user_data(ec2, launched.instances[0].instance_id)
+    assert 'fetch_secure_string /prod/nd/t1-secret "$ETC/secret"' in user_data(ec2, launched.instances[0].instance_id)
     result = teardown(cloud, "t1", secret_parameter_name="/prod/nd/t1-secret", timeout_s=30, poll_s=0.1)
     assert result.secret_parameter_deleted == "/prod/nd/t1-secret" and parameter_missing(ssm, "/prod/nd/t1-secret")
 
@@ -186,3 +186,44 @@ def test_secret_in_user_data_needs_no_profile_and_warns(cloud, network, baked_am
 def test_secret_in_user_data_and_a_parameter_name_contradict(tmp_path):
     with pytest.raises(DeploymentConfigError, match="contradict"):
         DeploymentConfig.from_yaml(write_config(tmp_path, secret_in_user_data=True, secret_ssm_parameter="/a/b"))
+
+
+# -- a Hugging Face token, for a gated model ----------------------------------------------------------------
+
+HF = "/team/hf-token"
+
+
+def test_a_gated_models_token_is_checked_before_anything_is_created(cloud, network, baked_ami, gaps, ec2, ssm,
+                                                                    tmp_path):
+    """Without the token every vLLM start of a gated model fails at its download: launch refuses a
+    token parameter that does not exist, and the instances read one that does."""
+    with pytest.raises(DeploymentConfigError, match=f"SecureString {HF} \\(the Hugging Face token\\) does not exist "
+                                                    f"in us-east-2: create it, e.g. `aws ssm put-parameter --name {HF}"):
+        launch(cloud, deployment(tmp_path, network, hf_token_ssm_parameter=HF))
+    assert parameter_missing(ssm) and gaps.run_instances_wire == [] and gaps.placement_groups == {}
+    ssm.put_parameter(Name=HF, Value="hf_0123456789abcdef", Type="SecureString")
+    launched = launch(cloud, deployment(tmp_path, network, hf_token_ssm_parameter=HF))
+    script = user_data(ec2, launched.instances[0].instance_id)
+    assert f'fetch_secure_string {HF} "$ETC/hf-token" "the Hugging Face token"' in script
+    assert "hf_0123456789abcdef" not in script
+
+
+def test_the_instance_profile_must_read_the_token_too(cloud, network, baked_ami, ssm, tmp_path):
+    ssm.put_parameter(Name=HF, Value="hf_0123456789abcdef", Type="SecureString")
+    from neuron_disagg.deploy import instance_profile
+    from neuron_disagg.deploy.instance_profile import ProfileCannotReadSecret
+
+    instance_profile.create(cloud, deployment(tmp_path, network))  # made before the token was named
+    config = deployment(tmp_path, network, hf_token_ssm_parameter=HF, iam_instance_profile="neuron-disagg-t1")
+    with pytest.raises(ProfileCannotReadSecret, match=f"allows ssm:GetParameter on {HF}, so its instances could not "
+                                                      "read the Hugging Face token at boot"):
+        launch(cloud, config)
+    instance_profile.create(cloud, config)  # run again with the token named: its policy covers both
+    assert len(launch(cloud, config).instances) == 2
+
+
+def test_a_token_needs_an_instance_profile_to_be_read_with(tmp_path):
+    config = DeploymentConfig.from_yaml(write_config(tmp_path, {"subnet_id": "subnet-0abc"}, hf_token_ssm_parameter=HF,
+                                                     secret_in_user_data=True, iam_instance_profile=None))
+    with pytest.raises(DeploymentConfigError, match="read at boot with the instances' profile.*no iam_instance_profile"):
+        config.require_launchable()

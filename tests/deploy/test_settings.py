@@ -18,7 +18,8 @@ def test_example_config_validates_for_both_platforms():
             "prefill.instance_type": instance_type, "decode.instance_type": instance_type,
             "region": "us-east-2", "subnet_id": "subnet-0123abcd", "iam_instance_profile": "neuron-disagg"})
         config.require_launchable()
-        assert config.model == "Qwen/Qwen3-32B" and config.tensor_parallel_size == 8
+        assert config.model == "Qwen/Qwen3-32B" and config.max_hours == 8
+        assert config.hosts.neuron.tensor_parallel_size == config.hosts.cuda.tensor_parallel_size == 8
         assert config.neuron_disagg.mode == "push"
         assert config.prefill.instance_type == config.decode.instance_type == instance_type
 

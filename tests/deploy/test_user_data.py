@@ -1,6 +1,7 @@
 """The boot script launch writes into each instance's user data: it passes shellcheck, and run for
-real (in a scratch root, with curl/systemctl/aws stand-ins) it writes a config, secret and unit
-arguments that the units in ami/units/ and `neuron-disagg serve` accept."""
+real (in a scratch root, with curl/systemctl/aws stand-ins) it writes a config, secret and each vLLM
+instance's arguments that the units in ami/units/ and `neuron-disagg serve` accept, and the guard's
+settings (the guard itself: test_guard.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from neuron_disagg.config import Config
-from neuron_disagg.deploy import user_data
+from neuron_disagg.deploy import sizing, user_data
+from neuron_disagg.deploy.instance_types import InstanceTypeInfo
 from neuron_disagg.deploy.settings import DeploymentConfig
 
 from .conftest import SECRET, write_config
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.integration  # runs the boot script in a scratch root, 
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_IP = "10.20.1.9"
+BOOT_EPOCH = 1_800_000_000  # the scratch root's /proc/stat btime
 
 
 def shellcheck() -> str:
@@ -66,12 +69,14 @@ def fake_bin(tmp_path: Path, units_present: bool = True, aws_failures: int = 0) 
 
 def run_script(script: str, tmp_path: Path, units_present: bool = True, aws_failures: int = 0, *,
                launch_index: int = 0, instance_tags: dict[str, str] | None = None,
-               host_ip: str = HOST_IP) -> tuple[subprocess.CompletedProcess, Path]:
+               host_ip: str = HOST_IP, boot_epoch: int = BOOT_EPOCH) -> tuple[subprocess.CompletedProcess, Path]:
     """Runs a boot script as the instance with ``launch_index`` in its launch, with ``instance_tags``
-    in its metadata."""
+    in its metadata, booted at ``boot_epoch``."""
     root = tmp_path / "root"
     (root / "dev").mkdir(parents=True)
     (root / "dev/console").touch()  # the serial console a failed boot writes its reason to
+    (root / "proc").mkdir()
+    (root / "proc/stat").write_text(f"cpu  1 2 3 4\nbtime {boot_epoch}\nprocesses 9\n")
     imds = tmp_path / "imds"
     for path, value in {"local-ipv4": host_ip, "ami-launch-index": str(launch_index),
                         **{f"tags/instance/{k}": v for k, v in (instance_tags or {}).items()}}.items():
@@ -98,13 +103,23 @@ def inline(tmp_path, **values) -> DeploymentConfig:
     return deployment(tmp_path, secret_in_user_data=True, iam_instance_profile=None, **values)
 
 
+def render(config: DeploymentConfig, members: list, secret: bytes | None) -> str:
+    """The user data launch writes, its hosts sized from the instance types' accelerators as a dry run
+    knows them (trn2.48xlarge 64 logical NeuronCores, p5en.48xlarge 8 GPUs)."""
+    types = {t: InstanceTypeInfo.unknown(t) for t in (config.prefill.instance_type, config.decode.instance_type)}
+    group = config.prefill if members[0][0] == "prefill" else config.decode
+    platform = types[group.instance_type].platform
+    return user_data.render(config, members, secret=secret, hosts=sizing.plans(config, types),
+                            deadline_s=sizing.serving_deadline_s(config, platform))
+
+
 def test_rendered_scripts_pass_shellcheck(tmp_path):
     config = deployment(tmp_path)
     scripts = {
-        "decode": user_data.render(config, [("decode", 0)], secret=None),
-        "router": user_data.render(config, [("prefill", 0), ("decode", 0)], secret=None),
-        "inline": user_data.render(inline(tmp_path), [("decode", 0)], secret=SECRET.encode()),
-        "inline-dry-run": user_data.render(inline(tmp_path), [("decode", 0)], secret=None),
+        "decode": render(config, [("decode", 0)], secret=None),
+        "router": render(config, [("prefill", 0), ("decode", 0)], secret=None),
+        "inline": render(inline(tmp_path), [("decode", 0)], secret=SECRET.encode()),
+        "inline-dry-run": render(inline(tmp_path), [("decode", 0)], secret=None),
     }
     for name, script in scripts.items():
         path = tmp_path / f"{name}.sh"
@@ -117,7 +132,7 @@ def test_rendered_scripts_pass_shellcheck(tmp_path):
 def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path, secret_in_user_data):
     make = inline if secret_in_user_data else deployment
     config = make(tmp_path, vllm_args=["--max-num-seqs", "32"])
-    script = user_data.render(config, [("decode", 0)], secret=SECRET.encode())
+    script = render(config, [("decode", 0)], secret=SECRET.encode())
     assert (SECRET.encode() in base64.b64decode(script.split("<<'NEURON_DISAGG_EOF'\n")[2].split()[0])
             if secret_in_user_data else SECRET not in script)
     done, root = run_script(script, tmp_path)
@@ -126,18 +141,42 @@ def test_decode_boot_writes_config_secret_and_starts_its_unit(tmp_path, secret_i
     etc = root / "etc/neuron-disagg"
     secret = etc / "secret"
     assert secret.read_text().strip() == SECRET and stat.S_IMODE(secret.stat().st_mode) == 0o600
-    loaded = Config.from_yaml(etc / "config.yaml")
+    loaded = Config.from_yaml(etc / "decode-0.yaml")
     assert loaded.side_channel_host == HOST_IP and loaded.lease_s == 30 and loaded.mode == "push"
     assert str(loaded.secret_file) == "/etc/neuron-disagg/secret"
     assert loaded.model_copy(update={"secret_file": secret}).load_secret() == SECRET.encode()
 
-    args = env_file(etc / "decode.env")
+    args = env_file(etc / "decode-0.env")
     assert args["MODEL"] == "Qwen/Qwen3-32B"
     assert args["VLLM_ARGS"] == "--host 0.0.0.0 --port 8200 --tensor-parallel-size 8 --max-num-seqs 32"
     assert not (etc / "router.env").exists()
-    assert (root / "systemctl.log").read_text().splitlines() == [
-        "cat neuron-disagg-decode.service", "daemon-reload", "enable --now neuron-disagg-decode.service"]
+    units = ["neuron-disagg-guard"] + [f"neuron-disagg-decode@{k}" for k in range(8)]
+    assert (root / "systemctl.log").read_text().splitlines() == (
+        [f"cat {u}.service" for u in units] + ["daemon-reload"] + [f"enable --now {u}.service" for u in units])
     assert SECRET not in done.stdout + (root / "var/log/neuron-disagg-user-data.log").read_text()
+
+
+def test_a_trn2_host_runs_eight_tp8_instances_each_on_its_own_cores_and_ports(tmp_path):
+    """hosts.neuron.tensor_parallel_size 8 on a trn2.48xlarge (64 logical NeuronCores): eight vLLM
+    instances, instance k on cores 8k..8k+7, HTTP port 8200 + k and side-channel ports 5600 + 8k + rank."""
+    done, root = run_script(render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    etc = root / "etc/neuron-disagg"
+    for k in range(8):
+        args = env_file(etc / f"decode-{k}.env")
+        assert args["NEURON_RT_VISIBLE_CORES"] == f"{8 * k}-{8 * k + 7}"
+        assert args["VLLM_ARGS"].startswith(f"--host 0.0.0.0 --port {8200 + k} --tensor-parallel-size 8")
+        assert Config.from_yaml(etc / f"decode-{k}.yaml").side_channel_port == 5600 + 8 * k
+    assert not (etc / "decode-8.env").exists()
+
+
+def test_a_p5en_host_runs_one_tp8_instance_on_all_eight_gpus(tmp_path):
+    config = deployment(tmp_path, prefill={"instance_type": "p5en.48xlarge"}, decode={"instance_type": "p5en.48xlarge"})
+    done, root = run_script(render(config, [("decode", 0)], secret=None), tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    etc = root / "etc/neuron-disagg"
+    assert env_file(etc / "decode-0.env")["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert sorted(p.name for p in etc.glob("decode-*.env")) == ["decode-0.env"]
 
 
 LAUNCH = [("prefill", 0), ("prefill", 1), ("decode", 0)]  # one launch of one type: ami-launch-index 0, 1, 2
@@ -146,23 +185,29 @@ LAUNCH = [("prefill", 0), ("prefill", 1), ("decode", 0)]  # one launch of one ty
 def test_router_host_boot_lists_every_instance_launch_tagged_it_with(tmp_path):
     config = deployment(tmp_path)
     peers = user_data.peer_tags([("prefill", HOST_IP), ("prefill", "10.20.1.5"), ("decode", "10.20.1.6")])
-    done, root = run_script(user_data.render(config, LAUNCH, secret=SECRET.encode()), tmp_path, launch_index=0,
+    done, root = run_script(render(config, LAUNCH, secret=SECRET.encode()), tmp_path, launch_index=0,
                             instance_tags={"Name": "t1-prefill-0", **peers})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "this is prefill-0" in done.stdout
     args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"].split()
-    assert args == ["--host", "0.0.0.0", "--port", "8000", "--prefill", f"http://{HOST_IP}:8100,tp=8",
-                    "--prefill", "http://10.20.1.5:8100,tp=8", "--decode", "http://10.20.1.6:8200"]
-    assert (root / "systemctl.log").read_text().splitlines()[-2:] == [
-        "enable --now neuron-disagg-prefill.service", "enable --now neuron-disagg-router.service"]
+    assert args[:4] == ["--host", "0.0.0.0", "--port", "8000"]
+    listed = list(zip(args[4::2], args[5::2]))
+    expected = [("--prefill", f"http://{ip}:{8100 + k},side_channel={ip}:{5600 + 8 * k},tp=8")
+                for ip in (HOST_IP, "10.20.1.5") for k in range(8)]
+    expected += [("--decode", f"http://10.20.1.6:{8200 + k},side_channel=10.20.1.6:{5600 + 8 * k},tp=8") for k in range(8)]
+    assert listed == expected
+    started = (root / "systemctl.log").read_text().splitlines()
+    assert started[-2:] == ["enable --now neuron-disagg-prefill@7.service", "enable --now neuron-disagg-router.service"]
+    guard = env_file(root / "etc/neuron-disagg/guard.env")
+    assert guard["CHECKS"].split()[-1] == "http://127.0.0.1:8000/health"  # the router answers for every host
 
 
 def test_the_launch_index_picks_the_role_and_only_the_router_host_waits_for_peers(tmp_path):
-    done, root = run_script(user_data.render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
+    done, root = run_script(render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
                             launch_index=2)  # decode-0: no tags to wait for
     assert done.returncode == 0, done.stdout + done.stderr
     assert "this is decode-0" in done.stdout and not (root / "etc/neuron-disagg/router.env").exists()
-    assert (root / "systemctl.log").read_text().splitlines()[-1] == "enable --now neuron-disagg-decode.service"
+    assert (root / "systemctl.log").read_text().splitlines()[-1] == "enable --now neuron-disagg-decode@7.service"
 
 
 @pytest.mark.parametrize("launch_index, tags, words", [
@@ -173,7 +218,7 @@ def test_the_launch_index_picks_the_role_and_only_the_router_host_waits_for_peer
     (7, {}, "launch index '7' is not one launch planned"),
 ])
 def test_the_router_host_refuses_missing_or_bad_peers_and_starts_nothing(tmp_path, launch_index, tags, words):
-    done, root = run_script(user_data.render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
+    done, root = run_script(render(deployment(tmp_path), LAUNCH, secret=SECRET.encode()), tmp_path,
                             launch_index=launch_index, instance_tags=tags)
     assert done.returncode == 1 and words in done.stdout, done.stdout
     assert not (root / "systemctl.log").exists()
@@ -190,7 +235,7 @@ def test_peer_tags_split_many_instances_over_tag_values_within_the_limit():
 
 def test_secret_from_ssm_is_fetched_with_the_instance_role_and_retried(tmp_path):
     config = deployment(tmp_path, secret_ssm_parameter="/nd/secret")
-    script = user_data.render(config, [("decode", 0)], secret=SECRET.encode())
+    script = render(config, [("decode", 0)], secret=SECRET.encode())
     assert SECRET not in script  # even when launch has the secret at hand
     done, root = run_script(script, tmp_path, aws_failures=2)  # e.g. the role's credentials not there yet
     assert done.returncode == 0, done.stdout + done.stderr
@@ -202,7 +247,7 @@ def test_secret_from_ssm_is_fetched_with_the_instance_role_and_retried(tmp_path)
 
 
 def test_boot_stops_when_the_role_cannot_read_the_secret(tmp_path):
-    script = user_data.render(deployment(tmp_path), [("decode", 0)], secret=None)
+    script = render(deployment(tmp_path), [("decode", 0)], secret=None)
     done, root = run_script(script, tmp_path, aws_failures=99)
     assert done.returncode == 1
     assert "could not read the deployment secret from SecureString /neuron-disagg/t1/secret" in done.stdout
@@ -213,7 +258,7 @@ def test_boot_stops_when_the_role_cannot_read_the_secret(tmp_path):
 
 def test_boot_on_an_ami_without_our_units_fails_with_a_pointer_to_the_bake(tmp_path):
     config = deployment(tmp_path)
-    done, _ = run_script(user_data.render(config, [("decode", 0)], secret=SECRET.encode()), tmp_path,
+    done, _ = run_script(render(config, [("decode", 0)], secret=SECRET.encode()), tmp_path,
                          units_present=False)
     assert done.returncode == 1
     assert "not a neuron-disagg AMI; bake one with ami/build.sh" in done.stdout + done.stderr  # tee'd
@@ -226,10 +271,10 @@ def unit(name: str) -> configparser.ConfigParser:
     return parser
 
 
-def systemd_words(exec_start: str, environment: dict[str, str]) -> list[str]:
-    """systemd's expansion: ${VAR} is one word, $VAR splits on whitespace."""
+def systemd_words(exec_start: str, environment: dict[str, str], instance: str = "") -> list[str]:
+    """systemd's expansion: ${VAR} is one word, $VAR splits on whitespace, %i is the instance."""
     words = []
-    for word in exec_start.split():
+    for word in exec_start.replace("%i", instance).split():
         braced = re.fullmatch(r"\$\{(\w+)\}", word)
         bare = re.fullmatch(r"\$(\w+)", word)
         if braced:
@@ -246,18 +291,20 @@ def test_units_run_serve_with_what_the_boot_script_wrote(tmp_path, role):
     """The unit's command, expanded like systemd would with the files user data wrote, is accepted
     by `neuron-disagg serve` (config, secret, vLLM version), which prints the vllm command it would exec."""
     config = deployment(tmp_path)
-    done, root = run_script(user_data.render(config, [(role, 0)], secret=SECRET.encode()), tmp_path,
+    done, root = run_script(render(config, [(role, 0)], secret=SECRET.encode()), tmp_path,
                             instance_tags=user_data.peer_tags([(role, HOST_IP)]))  # prefill-0 hosts the router
     assert done.returncode == 0, done.stderr
     etc = root / "etc/neuron-disagg"
-    service = unit(role)["Service"]
-    assert service["EnvironmentFile"] == f"/etc/neuron-disagg/{role}.env"  # the last one configparser keeps
+    service = unit(f"{role}@")["Service"]
+    assert service["EnvironmentFile"] == f"/etc/neuron-disagg/{role}-%i.env"  # the last one configparser keeps
     assert service["LimitMEMLOCK"] == "infinity"
-    words = systemd_words(service["ExecStart"], env_file(etc / f"{role}.env"))
+    words = systemd_words(service["ExecStart"], env_file(etc / f"{role}-3.env"), instance="3")
     assert words[:4] == ["/opt/neuron-disagg/venv/bin/neuron-disagg", "serve", role, "Qwen/Qwen3-32B"]
+    assert words[words.index("--config") + 1] == f"/etc/neuron-disagg/{role}-3.yaml"
     # run it here: our venv's CLI, the scratch config whose secret_file points at the scratch secret
     local_config = etc / "local.yaml"
-    local_config.write_text((etc / "config.yaml").read_text().replace("/etc/neuron-disagg/secret", str(etc / "secret")))
+    local_config.write_text((etc / f"{role}-3.yaml").read_text().replace("/etc/neuron-disagg/secret",
+                                                                        str(etc / "secret")))
     command = [sys.executable, "-m", "neuron_disagg.cli", *words[1:]]
     command[command.index("--config") + 1] = str(local_config)
     command.insert(command.index("--"), "--dry-run")
@@ -265,6 +312,7 @@ def test_units_run_serve_with_what_the_boot_script_wrote(tmp_path, role):
                          env={k: v for k, v in os.environ.items() if k != "NEURON_DISAGG_SECRET"})
     assert ran.returncode == 0, ran.stderr
     assert "--tensor-parallel-size 8" in ran.stdout and f'"kv_role": "kv_{"producer" if role == "prefill" else "consumer"}"' in ran.stdout
+    assert f"--port {(8100 if role == 'prefill' else 8200) + 3}" in ran.stdout and '"side_channel_port": 5624' in ran.stdout
 
 
 def test_router_unit_reads_its_arguments_and_the_shared_config():
@@ -281,7 +329,7 @@ def test_router_unit_reads_its_arguments_and_the_shared_config():
 ])
 def test_a_boot_that_gives_up_says_why_on_the_console_and_powers_off(tmp_path, arrange, reason):
     """Issue 35, item 2: a boot that cannot serve used to exit and leave its host billing."""
-    done, root = run_script(user_data.render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path,
+    done, root = run_script(render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path,
                             **arrange)
     assert done.returncode == 1
     console = (root / "dev/console").read_text()
@@ -290,7 +338,7 @@ def test_a_boot_that_gives_up_says_why_on_the_console_and_powers_off(tmp_path, a
 
 
 def test_an_unforeseen_failure_powers_off_too_and_points_at_the_log(tmp_path):
-    script = user_data.render(deployment(tmp_path), [("decode", 0)], secret=SECRET.encode())
+    script = render(deployment(tmp_path), [("decode", 0)], secret=SECRET.encode())
     script = script.replace("LAUNCH_INDEX=$(imds ami-launch-index)", "LAUNCH_INDEX=$(imds no-such-path)")
     done, root = run_script(script, tmp_path)
     assert done.returncode != 0
@@ -299,11 +347,34 @@ def test_an_unforeseen_failure_powers_off_too_and_points_at_the_log(tmp_path):
     assert (root / "shutdown.log").exists()
 
 
-def test_a_boot_that_serves_leaves_its_host_up_unless_max_hours_says_otherwise(tmp_path):
-    done, root = run_script(user_data.render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path)
+def test_a_boot_that_serves_leaves_its_host_up_and_hands_max_hours_to_the_guard(tmp_path):
+    done, root = run_script(render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path)
     assert done.returncode == 0 and not (root / "shutdown.log").exists()
     assert (root / "dev/console").read_text() == ""
-    done, root = run_script(user_data.render(deployment(tmp_path, max_hours=1.5), [("decode", 0)], secret=None),
+    guard = env_file(root / "etc/neuron-disagg/guard.env")
+    # max_hours is on unless set to 0: 8 h after the first boot, an absolute time a reboot keeps
+    assert guard["STOP_AT"] == str(BOOT_EPOCH + 8 * 3600) and guard["MAX_HOURS"] == "8"
+    assert guard["SERVE_WITHIN_S"] == str(sizing.serving_deadline_s(deployment(tmp_path), "neuron")) == "7200"
+    assert guard["CHECKS"].split() == [f"http://127.0.0.1:{8200 + k}/health" for k in range(8)]
+    done, root = run_script(render(deployment(tmp_path, max_hours=1.5), [("decode", 0)], secret=None),
                             tmp_path / "again")
-    assert done.returncode == 0
-    assert (root / "shutdown.log").read_text().splitlines() == ["-h +90 neuron-disagg: max_hours (1.5) reached"]
+    assert done.returncode == 0 and not (root / "shutdown.log").exists()
+    assert env_file(root / "etc/neuron-disagg/guard.env")["STOP_AT"] == str(BOOT_EPOCH + 90 * 60)
+    done, root = run_script(render(deployment(tmp_path, max_hours=0), [("decode", 0)], secret=None),
+                            tmp_path / "never")
+    assert env_file(root / "etc/neuron-disagg/guard.env")["STOP_AT"] == ""
+
+
+def test_a_hugging_face_token_is_read_with_the_role_into_the_units_environment(tmp_path):
+    config = deployment(tmp_path, hf_token_ssm_parameter="/team/hf-token")
+    script = render(config, [("decode", 0)], secret=None)
+    done, root = run_script(script, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = (root / "aws.log").read_text().splitlines()
+    assert calls[-1] == ("ssm get-parameter --region us-east-2 --with-decryption --name /team/hf-token "
+                         "--query Parameter.Value --output text")
+    hf = root / "etc/neuron-disagg/hf.env"
+    assert hf.read_text() == f"HF_TOKEN={SECRET}\n" and stat.S_IMODE(hf.stat().st_mode) == 0o600
+    assert not (root / "etc/neuron-disagg/hf-token").exists() and SECRET not in done.stdout + done.stderr
+    for role in ("prefill@", "decode@"):  # every vLLM unit reads it, and can start without it
+        assert "-/etc/neuron-disagg/hf.env" in (REPO / f"ami/units/neuron-disagg-{role}.service").read_text()
