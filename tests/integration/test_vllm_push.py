@@ -253,6 +253,8 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
     Every answer is monolithic's; D's blocks come back at their fence."""
     doomed, side, marks = doomed_prefill
     texts = [prompt(60 + 4 * i, 14 + i) for i in range(8)]
+    quarantines, block_seconds = (metric(cluster.d, f"neuron_disagg_{name}_total")
+                                  for name in ("quarantines", "quarantined_block_seconds"))
     direct = [legs(cluster, text, 8, p_side=side)[1] for text in texts[:4]]
     r = router([(doomed.url, side)], [cluster.d.url], free_port(), secret=cluster.secret).start()
     try:
@@ -284,12 +286,16 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
     assert [resp.status_code for resp, _ in answered] == [200] * 8, [resp.text for resp, _ in answered]
     assert [resp.json()["choices"][0]["text"] for resp, _ in answered] == want
     after = sorted(took for _, took in answered)
+    assert after[-1] < TIMEOUTS["watchdog_s"], f"answers took up to {after[-1]:.1f} s after the kill"
+    blocks_back(cluster, D_BOUND_S + 10)
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_quarantined_block_seconds_total") > block_seconds, 30,
+             "D reporting what the quarantines held")
+    held = ((metric(cluster.d, "neuron_disagg_quarantined_block_seconds_total") - block_seconds)
+            / max(1.0, metric(cluster.d, "neuron_disagg_quarantines_total") - quarantines))
     record(f"| kill -9 of P, 8 requests in flight (4 straight to D, 4 through a router with no other P) | push | "
            f"8 answered: D gave the 4 up and computed them, the router sent {fallbacks:g} whole to D | "
            f"p50 {after[3]:.1f} s, max {after[-1]:.1f} s after the kill (before: watchdog + fence, 26.5 s, and 502s) | "
-           "0 (back at the fence) | yes |")
-    assert after[-1] < TIMEOUTS["watchdog_s"], f"answers took up to {after[-1]:.1f} s after the kill"
-    blocks_back(cluster, D_BOUND_S + 10)
+           f"0 (back at the fence; {held:.0f} block-seconds quarantined per request) | yes |")
 
 
 def test_forged_params_sent_straight_to_decode_are_served_plainly_and_never_contacted(cluster):
