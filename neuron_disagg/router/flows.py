@@ -77,6 +77,7 @@ class Flows:
         self.timeline = Timeline(settings.timeline_dir, "router")
         self._p_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout_s,
                                                 sock_connect=settings.connect_timeout_s)
+        self._draining: set[asyncio.Task] = set()  # push: P legs answered after D was (``_drain``)
 
     # -- entry point ------------------------------------------------------------------------------
     async def handle(self, request: web.Request, req: ClientRequest,
@@ -92,9 +93,9 @@ class Flows:
             else:
                 d_leg = await self._pull(req, ctx)
             resp, outcome = await self._relay(request, req, ctx, d_leg)
-            if p_task is not None:  # push: drain P's answer (it is bounded by prefill_timeout_s)
-                d_leg.close()
-                await asyncio.gather(p_task, return_exceptions=True)
+            if p_task is not None:  # push: P's answer is drained after the client has D's
+                self._drain(p_task)
+                p_task = None
             return resp
         except RouterError as exc:
             outcome = {502: "upstream_error", 503: "unavailable", 504: "timeout"}.get(exc.status, "error")
@@ -120,6 +121,23 @@ class Flows:
             self.metrics.requests.labels(req.mode, outcome).inc()
             self.metrics.e2e.labels(req.mode).observe(elapsed)
             ctx.log.debug("%s request ended: %s after %.3f s", req.mode, outcome, elapsed)
+
+    def _drain(self, p_task: asyncio.Task) -> None:
+        """Push: D's answer is the client's; P's one-token answer is read in the background, bounded
+        by prefill_timeout_s, rather than before the client gets D's. Before, a non-streaming answer
+        waited for it: with P stopped, D answered within seconds (it gave the load up on its probes
+        and computed the prompt) and the client still waited for P to resume or time out."""
+        self._draining.add(p_task)
+        p_task.add_done_callback(self._drained)
+
+    def _drained(self, p_task: asyncio.Task) -> None:
+        self._draining.discard(p_task)
+        if not p_task.cancelled():
+            p_task.exception()  # a P that failed after D answered was logged; retrieved, not re-raised
+
+    async def close(self) -> None:
+        """At shutdown: P legs still draining are closed."""
+        await _cancel(*self._draining)
 
     # -- push: both legs at once under one transfer id --------------------------------------------
     async def _push(self, req: ClientRequest, ctx: RequestContext) -> tuple[DecodeLeg, asyncio.Task | None]:

@@ -75,6 +75,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         health_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await health_task
+        await state.flows.close()
         await upstream.close()
         if withdrawals is not None:
             await withdrawals.close()

@@ -275,3 +275,18 @@ async def test_prefill_is_told_when_no_decode_takes_the_request():
     finally:
         for server in servers:
             server.close()
+
+
+async def test_a_push_answer_reaches_the_client_while_the_prefill_leg_is_still_open():
+    """D answers without P (it gave the load up: P stopped, its probes unanswered) while P's leg
+    hangs: a non-streaming client gets D's answer at once, and P's leg is drained behind it. Before,
+    the answer waited for P's leg (until P resumed, or prefill_timeout_s)."""
+    async with cluster(prefill=1, decode=1, mode="push") as c:
+        p, d = c.prefills[0], c.decodes[0]
+        p.hold, d.wait_for_kv = asyncio.Event(), False
+        status, _, answer = await asyncio.wait_for(c.post("/v1/completions", completion()), 5)
+        assert status == 200 and answer["served_by"] == "d0", answer
+        assert p.requests and p.requests[0].finished_at is None and not p.requests[0].cancelled
+        p.hold.set()
+        await until(lambda: p.requests[0].finished_at is not None, "P's leg to be drained")
+        await until(lambda: c.instance(p).in_flight == 0, "P's lease released")
