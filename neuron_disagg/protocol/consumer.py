@@ -226,6 +226,17 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             self._fire(entry, event, step)
         return step.actions
 
+    def undelivered(self, transfer_id: TransferId, p_rank: int, reason: str, now: float) -> list[Action]:
+        """Our registration never reached P rank ``p_rank`` (the send failed; a rank acts only on a
+        whole frame), so that rank will write nothing: as good as its WriteFailed, and its share of
+        the fence is not needed."""
+        entry = self.entries.get(transfer_id)
+        if entry is None or entry.registration is None:
+            self._drop("undelivered:unknown")
+            return []
+        return self.verdict(WriteFailed(transfer_id, p_rank, entry.p_tp_size,
+                                        f"registration never reached prefill rank {p_rank}: {reason}"), now)
+
     def tick(self, now: float) -> list[Action]:
         """Time passed: fire lapsed deadlines; heartbeat and probe P for transfers still waiting on it."""
         actions = self._tick(now)

@@ -103,3 +103,12 @@ class ProbeEnded:
     rank: int
     incarnation: str | None
     refused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Undelivered:
+    """Peers' executor, D: our registration of ``transfer_id`` never reached P rank ``rank``."""
+
+    transfer_id: TransferId
+    rank: int
+    reason: str

@@ -59,17 +59,25 @@ class Peers:
         """Called by the owner once it has processed the result, so a later handshake may run."""
         self._handshaking.discard(agent)
 
-    def send(self, address: str, ranks: tuple[int, ...], message: Message) -> None:
+    def send(self, address: str, ranks: tuple[int, ...], message: Message,
+             on_failure: Callable[[int, str], None] | None = None) -> None:
+        """Send ``message`` to each of ``ranks`` at ``address``; ``on_failure(rank, why)`` (on the
+        executor) for each rank it could not be sent to. A failed send was never received whole (the
+        client hands the kernel one frame in one ``sendall``, which raises only if some of it was
+        not taken; a peer acts only on whole frames), so the peer never acted on it."""
         for rank in ranks:
-            self._executor.submit(self._send_one, address, rank, message)
+            self._executor.submit(self._send_one, address, rank, message, on_failure)
 
-    def _send_one(self, address: str, rank: int, message: Message) -> None:
+    def _send_one(self, address: str, rank: int, message: Message,
+                  on_failure: Callable[[int, str], None] | None) -> None:
         try:
             self.client.send(rank_address(address, rank), message)
         except OSError as exc:  # the peer's leases and watchdogs cover a lost message
             self.send_failures += 1
             log.warning("could not send %s for %s to %s rank %d: %s", type(message).__name__,
                         getattr(message, "transfer_id", "?"), address, rank, exc)
+            if on_failure is not None:
+                on_failure(rank, f"{type(exc).__name__}: {exc}")
 
     def probe(self, address: str, tp_rank: int, on_result: Callable[[str | None, bool], None]) -> None:
         """Ask rank ``tp_rank`` at ``address`` whether it is there. ``on_result(incarnation, refused)``

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from msgspec.structs import replace
 
-from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, Quarantine
+from ..protocol.actions import FailTransfer, FinishLoad, FreeBlocks, Quarantine, SendMessage
 from ..protocol.consumer import ConsumerCore
 from ..protocol.errors import MessageError
 from ..protocol.messages import (
@@ -25,7 +25,7 @@ from ..protocol.messages import (
 )
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
-from .inbox import Abort, Allocated, Deliver, Expect
+from .inbox import Abort, Allocated, Deliver, Expect, Undelivered
 from .outbox import Failed, Freed, Loaded, Outbox, Quarantined
 from .peers import Peers
 from .staging import HostStaging
@@ -47,7 +47,8 @@ class PushReceiver(TransferThread):
         # registration otherwise waits out P's prefill (in push, all of it) costing D's core nothing.
         self._writing: set[TransferId] = set()
         self._handlers.update({Expect: self._expect, Allocated: self._allocated, Abort: self._abort,
-                               Deliver: self._deliver})
+                               Deliver: self._deliver, Undelivered: self._undelivered})
+        self._performers[SendMessage] = self._send
         self._performers.update({FinishLoad: lambda a: self._loaded(a.transfer_id),
                                  FailTransfer: self._failed,
                                  Quarantine: self._quarantined,
@@ -86,6 +87,19 @@ class PushReceiver(TransferThread):
         self._perform(self.core.tick(now))
         if self._writing:  # ended without a verdict we saw (P's ranks each end theirs)
             self._writing &= {entry.transfer_id for entry in self.core.live()}
+
+    def _send(self, action: SendMessage) -> None:
+        """A registration that P's rank never received can never be written: the core hears so, as
+        that rank's word that it writes nothing, and need not fence the blocks for it."""
+        message = action.message
+        on_failure = None
+        if isinstance(message, Registration):
+            def on_failure(rank: int, why: str, tid=message.transfer_id) -> None:
+                self._inbox.put(Undelivered(tid, rank, why))
+        self.peers.send(action.peer, action.ranks, message, on_failure)
+
+    def _undelivered(self, item: Undelivered, now: float) -> None:
+        self._perform(self.core.undelivered(item.transfer_id, item.rank, item.reason, now))
 
     def _deliver(self, item: Deliver, now: float) -> None:
         if isinstance(item.message, WriteStarting):

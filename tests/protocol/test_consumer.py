@@ -310,3 +310,23 @@ def test_a_transfer_that_starts_waiting_on_a_prefill_already_gone_recovers_at_th
     c.expect(new, "p-host:1", 1, 1.2)
     c.allocated(registration(new), 1.3)
     assert [a.transfer_id for a in c.tick(1.35) if isinstance(a, Quarantine)] == [new]
+
+
+def test_a_registration_that_never_reached_prefill_frees_its_blocks_at_once_quarantined_or_not():
+    """The send to P's rank failed, so P never acts on it: no write can come, no fence is needed."""
+    c = _reach(DState.REGISTERED)
+    actions = c.undelivered(TID, 0, "ConnectionRefusedError: refused", 1.1)
+    assert [type(a) for a in actions if isinstance(a, (FailTransfer, FreeBlocks))] == [FailTransfer, FreeBlocks]
+    assert "never reached prefill rank 0" in c.entries[TID].reason
+    q = _reach(DState.QUARANTINED)
+    assert FreeBlocks(TID, DST) in q.undelivered(TID, 0, "refused", 2.1)
+    assert q.state_of(TID) is DState.FAILED
+    assert core().undelivered(TID, 0, "refused", 1) == []  # nothing registered: nothing to say
+
+
+def test_a_registration_undelivered_to_one_prefill_rank_still_waits_for_the_other():
+    c = core()
+    c.expect(TID, "p-host:1", 2, 0)
+    c.allocated(registration(), 1)
+    assert not [a for a in c.undelivered(TID, 0, "refused", 1.1) if isinstance(a, FreeBlocks)]
+    assert c.state_of(TID) is DState.REGISTERED  # rank 1 may be writing

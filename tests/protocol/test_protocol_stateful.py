@@ -68,6 +68,7 @@ class PushProtocol(RuleBasedStateMachine):
         self.probes: list[ProbePeer] = []  # D's probes of P, not answered yet
         self.p_incarnation = 0             # which process answers at P's address
         self.quarantined: set[TransferId] = set()  # D's request went on without these transfers' blocks
+        self.reached_p: set[bytes] = set()  # frames P has received (a duplicated one stays queued too)
 
     @initialize(offset=st.sampled_from([-3.0, -0.4, 0.0, 0.4, 3.0]))
     def clocks_disagree(self, offset):
@@ -303,6 +304,7 @@ class PushProtocol(RuleBasedStateMachine):
     def deliver(self, to_p, frame):
         message = self.codec.decode(frame)
         if to_p:
+            self.reached_p.add(frame)
             if isinstance(message, Cancel):
                 self.p_heard_cancel.add(message.transfer_id)
             tid = message.transfer_id
@@ -315,6 +317,18 @@ class PushProtocol(RuleBasedStateMachine):
                 self.perform("p", self.p.cancel(message, self.p_now))
         else:
             self.perform("d", self.d.verdict(message, self.now))
+
+    @precondition(lambda self: any(isinstance(self.codec.decode(f), Registration) for f in self.to_p))
+    @rule(i=st.integers(0, 100))
+    def registration_send_fails(self, i):
+        """D's send of a registration failed (P's side channel refused it): P never got it, and D hears so."""
+        frames = [f for f in self.to_p if isinstance(self.codec.decode(f), Registration) and f not in self.reached_p]
+        if not frames:
+            return
+        frame = frames[i % len(frames)]
+        self.to_p.remove(frame)
+        tid = self.codec.decode(frame).transfer_id
+        self.perform("d", self.d.undelivered(tid, 0, "ConnectionRefusedError", self.now))
 
     @rule(to_p=st.booleans(), request=st.integers(0, 5), kind=st.sampled_from(["cancel", "done", "failed", "registration"]))
     def forged_message(self, to_p, request, kind):
