@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-import hcl2
 import pytest
 
 from neuron_disagg.deploy import ami, bake
@@ -27,22 +26,13 @@ from neuron_disagg.deploy.cloud import Cloud
 from neuron_disagg.platforms import fabric_libs
 
 from .conftest import REGION, _answer, register_image
+from .test_ami import template, unquote  # noqa: F401  (template: a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 AMI = REPO / "ami"
 LATEST = bake.LATEST_NEURON_PARAMETER
 
 
-def unquote(value):
-    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
-        return value[1:-1]
-    return value
-
-
-@pytest.fixture(scope="module")
-def template() -> dict:
-    with (AMI / "neuron-disagg.pkr.hcl").open() as f:
-        return hcl2.load(f)
 
 
 def sources(template) -> dict[str, dict]:

@@ -247,10 +247,12 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
         cluster, doomed_prefill):
     """kill -9 of a P with 8 requests in flight: 4 decode legs sent straight to D (as Ray Serve LLM
     and llm-d's sidecar send them, with no router of ours watching P's leg) whose registrations
-    reached P, and 4 through a router whose only P it is. D gives the direct ones up as soon as a
-    probe of P is refused and computes them itself; the router sends its own to D whole once P's
-    legs fail. Before, the direct ones waited for D's watchdog and fence, the routed ones got 502.
-    Every answer is monolithic's; D's blocks come back at their fence."""
+    reached P, and 4 through a router whose only P it is, sent while P was stopped (so that their P
+    legs are open when it dies, as on a host that froze before it crashed). D gives the direct ones
+    up as soon as a probe of P is refused or unanswered and computes them itself; the router sends
+    its own to D whole once P's legs fail. Before, the direct ones waited for D's watchdog and
+    fence, the routed ones got 502. Every answer is monolithic's; D's blocks come back at their
+    fence."""
     doomed, side, marks = doomed_prefill
     texts = [prompt(60 + 4 * i, 14 + i) for i in range(8)]
     quarantines, block_seconds = (metric(cluster.d, f"neuron_disagg_{name}_total")
@@ -269,14 +271,17 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
                     return response, time.monotonic()
 
                 tasks = [asyncio.create_task(timed(f"{cluster.d.url}/v1/completions", b)) for b in direct]
-                tasks += [asyncio.create_task(timed(f"{r.url}/v1/completions", body(t, 8))) for t in texts[4:]]
                 tids = [b["kv_transfer_params"]["transfer_id"] for b in direct]
                 await asyncio.to_thread(wait_for, lambda: all("p_registration" in timeline.load(marks).get(tid, {})
                                                               for tid in tids), 30, "the registrations reaching P")
+                doomed.pause()
+                tasks += [asyncio.create_task(timed(f"{r.url}/v1/completions", body(t, 8))) for t in texts[4:]]
+                await asyncio.to_thread(wait_for, lambda: metric(r, 'neuron_disagg_router_instance_in_flight{role="prefill"') >= 4,
+                                        10, "the router's P legs open on the stopped P")
                 doomed.kill()
                 killed = time.monotonic()
                 done = await asyncio.gather(*tasks)
-                return want, [(resp, at - killed) for resp, at in done]
+                return want, [(resp, max(0.0, at - killed)) for resp, at in done]
 
         want, answered = run(scenario())
         fallbacks = metric(r, "neuron_disagg_router_computed_on_decode_total")
@@ -287,6 +292,7 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
     assert [resp.json()["choices"][0]["text"] for resp, _ in answered] == want
     after = sorted(took for _, took in answered)
     assert after[-1] < TIMEOUTS["watchdog_s"], f"answers took up to {after[-1]:.1f} s after the kill"
+    assert fallbacks == 4, f"the router sent {fallbacks:g} of its 4 requests whole to D"
     blocks_back(cluster, D_BOUND_S + 10)
     wait_for(lambda: metric(cluster.d, "neuron_disagg_quarantined_block_seconds_total") > block_seconds, 30,
              "D reporting what the quarantines held")
