@@ -76,6 +76,13 @@ def _counters(instance) -> str:
     return ", ".join(f"{k.removeprefix('neuron_disagg_').removesuffix('_total')} {v:,.0f}" for k, v in totals.items())
 
 
+def readable(text: str, width: int = 72) -> str:
+    """A random model's answer as a person can read it on a terminal: control and unprintable
+    characters shown as '·', whitespace runs as one space, cut to ``width`` characters."""
+    shown = "".join(c if c.isprintable() else "·" for c in " ".join(text.split()))
+    return shown if len(shown) <= width else shown[:width - 1] + "…"
+
+
 def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: dict | None = None) -> int:
     """0 if every answer equals D computing the prompt alone; ``decode_env`` is added to the decode
     instance's environment (a test injects a fault through it)."""
@@ -96,7 +103,9 @@ def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: d
             start_in_waves([p, d], [r], started=started)
         console.print(f"prefill {p.url} (core 0, log {p.log_path})\ndecode  {d.url} (core 1, log {d.log_path})\n"
                       f"router  {r.url}\npush: D registers its blocks while P prefills and P's writer thread writes the "
-                      "KV into D over NIXL; pull: D's reader thread reads it from P afterwards\n")
+                      "KV into D over NIXL; pull: D's reader thread reads it from P afterwards\n"
+                      "The tiny model's weights are random, so its answers are gibberish: what counts is that the "
+                      "disaggregated answer has the same tokens as D computing the prompt alone.\n")
         with httpx.Client(timeout=120) as client:
             for mode in ("push", "pull"):
                 console.print(f"[bold]{mode} mode[/]" + (" (P first; D reads P's KV after it finished)" if mode == "pull" else ""))
@@ -113,7 +122,7 @@ def run_demo(console: Console | None = None, max_tokens: int = 24, decode_env: d
                     console.print(f"  request {i} ({len(prompt.split())} words): TTFT {ttft:.0f} ms, total {total:.0f} ms, "
                                   + ("[green]same tokens as D computing alone[/]" if same else "[red]DIFFERS from D alone[/]"))
                     console.print(f"      TTFT = {_breakdown(marks, request_id)}")
-                    console.print(f"      {text!r}")
+                    console.print(f"      answer: {readable(text)}", markup=False, highlight=False)
         console.print(f"\nconnector counters on P: {_counters(p)}\nconnector counters on D: {_counters(d)}")
     except KeyboardInterrupt:
         console.print("interrupted: stopping everything")
