@@ -176,10 +176,11 @@ def doomed_prefill(spares):
 
 @pytest.mark.every_vllm  # what differs between vLLM versions
 def test_decode_leg_without_a_live_prefill_is_recomputed_in_seconds_not_at_the_watchdog(cluster):
-    """P is gone (nothing listens on its side channel): D's first probe is refused, so D computes
-    the prompt itself at once (kv_load_failure_policy: recompute, the default) — monolithic's
-    answer, not an error, and long before its watchdog — and counts it. The blocks it registered
-    come back at their fence."""
+    """P is gone (nothing listens on its side channel): D's registration cannot be sent and its
+    first probe is refused, so D computes the prompt itself at once (kv_load_failure_policy:
+    recompute, the default) — monolithic's answer, not an error, and long before its watchdog —
+    and counts it. P never got the registration, so the blocks come back at once too, not at
+    their fence."""
     text = prompt(40, 13)
     before = metric(cluster.d, "neuron_disagg_recomputed_total")
     response, elapsed = run(_decode_alone(cluster, cluster.d, text))
@@ -187,8 +188,7 @@ def test_decode_leg_without_a_live_prefill_is_recomputed_in_seconds_not_at_the_w
     assert response.json()["choices"][0]["text"] == run(_reference(cluster, text, 8))
     assert elapsed < TIMEOUTS["watchdog_s"], f"took {elapsed:.1f} s: D waited for its watchdog"
     wait_for(lambda: metric(cluster.d, "neuron_disagg_recomputed_total") > before, 30, "D counting the recompute")
-    assert metric(cluster.d, "neuron_disagg_quarantines_total") > 0
-    blocks_back(cluster, D_BOUND_S + 10)
+    blocks_back(cluster, TIMEOUTS["watchdog_s"] / 2)
 
 
 @pytest.mark.every_vllm  # what differs between vLLM versions
@@ -203,7 +203,10 @@ def test_with_the_fail_policy_the_client_gets_an_error_naming_why_within_the_wat
                           timeout=D_BOUND_S + 30)
     elapsed = time.monotonic() - started
     assert response.status_code == 500, response.text
-    assert response.json()["error"]["message"].startswith("KV transfer failed: prefill unreachable"), response.text
+    message = response.json()["error"]["message"]
+    # Whichever D heard first: its registration's send refused, or its probe of P.
+    assert message.startswith(("KV transfer failed: registration never reached prefill",
+                               "KV transfer failed: prefill unreachable")), response.text
     assert elapsed < TIMEOUTS["watchdog_s"], f"took {elapsed:.1f} s: D waited for its watchdog"
     # P computes each prompt, but D registers with a side channel nobody listens on.
     r = router([(cluster.p.url, free_port())], [failing_decode.url], free_port(), secret=cluster.secret).start()
