@@ -104,13 +104,12 @@ class PeerWatch:
                     record.probing_since = now
         self._last_tick = now
         probes: list[ProbePeer] = []
-        suspected: dict[PeerRank, str] = {}
         for peer in sorted(wanted):
             record = self._peers.get(peer)
             if record is None:
                 record = self._peers[peer] = _Peer(PState.UNKNOWN, now)
             if record.state is not PState.GONE and now - record.heard_at >= self.suspect_after_s:
-                self._fire(peer, record, PEvent.SILENT, now, suspected)
+                self._fire(peer, record, PEvent.SILENT, now)  # read back through gone()
             if record.probing_since is None and now >= record.next_probe_at:
                 record.probing_since, record.next_probe_at = now, now + self.probe_every_s
                 probes.append(ProbePeer(peer[0], peer[1]))
@@ -123,9 +122,7 @@ class PeerWatch:
         record.probing_since = None
         restarted = record.incarnation is not None and incarnation != record.incarnation
         record.incarnation = incarnation
-        suspected: dict[PeerRank, str] = {}
-        self._fire(peer, record, PEvent.RESTARTED if restarted else PEvent.ANSWERED, now, suspected)
-        return suspected
+        return self._fire(peer, record, PEvent.RESTARTED if restarted else PEvent.ANSWERED, now)
 
     def failed(self, peer: PeerRank, refused: bool, now: float) -> dict[PeerRank, str]:
         """A probe got no answer: ``refused`` (nothing listens, reset), or it timed out (silence,
@@ -134,18 +131,18 @@ class PeerWatch:
         if record is None:
             return {}
         record.probing_since = None
-        suspected: dict[PeerRank, str] = {}
-        if refused:
-            self._fire(peer, record, PEvent.REFUSED, now, suspected)
-        return suspected
+        return self._fire(peer, record, PEvent.REFUSED, now) if refused else {}
 
-    def _fire(self, peer: PeerRank, record: _Peer, event: PEvent, now: float, suspected: dict[PeerRank, str]) -> None:
+    def _fire(self, peer: PeerRank, record: _Peer, event: PEvent, now: float) -> dict[PeerRank, str]:
+        """Applies the event's row; the rank, with why, if the row suspects it."""
         rule = TABLE[(record.state, event)]
         if rule.next_state is not None:
             record.state = rule.next_state
+        suspected: dict[PeerRank, str] = {}
         for effect in rule.effects:
             if effect is F.HEARD:
                 record.heard_at = now
             elif effect is F.SUSPECT:
                 record.reason = f"{rule.reason} ({peer[0]} rank {peer[1]})"
                 suspected[peer] = record.reason
+        return suspected

@@ -191,9 +191,8 @@ class StateMachine(Generic[S, E, F, EntryT]):
         """Each tick: probe every peer rank a live transfer waits on; a transfer waiting on a rank
         that is gone recovers (SUSPECTED)."""
         wanted: set[PeerRank] = set()
-        for entry in self.entries.values():
-            if entry.state not in self.TERMINAL:
-                wanted.update(self._waits_on(entry))
+        for entry in self.live():
+            wanted.update(self._waits_on(entry))
         step.actions.extend(self.watch.tick(step.now, wanted))
         self._suspect(self.watch.gone(), step)
 

@@ -260,11 +260,7 @@ class Flows:
         tid = format_transfer_id(ctx.transfer_base, attempt)
         ctx.log.warning("transfer_id=%s: no P can take the request (%s); D %s computes it whole", tid, why, d.url)
         self.metrics.computed_on_decode.labels(req.mode, why).inc()
-        body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
-        leg = DecodeLeg(self.upstream, self.pool, d, req.path, body, tid, {**ctx.headers, "X-Request-Id": tid},
-                        connect_timeout_s=self.settings.connect_timeout_s,
-                        first_byte_timeout_s=self.settings.decode_first_byte_timeout_s,
-                        idle_timeout_s=self.settings.decode_idle_timeout_s)
+        leg = self._decode_leg(req, ctx, d, tid, None)
         try:
             await self._open_decode(leg, req, ctx, tid)
         except BaseException:
@@ -311,7 +307,7 @@ class Flows:
             return answer
 
     def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance, tid: str,
-                    params: dict[str, Any]) -> DecodeLeg:
+                    params: dict[str, Any] | None) -> DecodeLeg:
         s = self.settings
         return DecodeLeg(self.upstream, self.pool, d, req.path, decode_body(req, params), tid,
                          {**ctx.headers, "X-Request-Id": tid},

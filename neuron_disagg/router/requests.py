@@ -163,10 +163,12 @@ def prompt_count(body: dict[str, Any]) -> int:
     return len(distinct_prompts(body) or [body])
 
 
-def decode_body(req: ClientRequest, params: dict[str, Any]) -> dict[str, Any]:
+def decode_body(req: ClientRequest, params: dict[str, Any] | None) -> dict[str, Any]:
     """The client's body unchanged but for ``kv_transfer_params`` (a client's own are replaced:
-    they steer the connector, so only the router may set them)."""
-    return {**req.body, "kv_transfer_params": params}
+    they steer the connector, so only the router may set them); None: none at all, a plain request
+    D computes whole."""
+    body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
+    return body if params is None else {**body, "kv_transfer_params": params}
 
 
 def vllm_request_id(path: str, x_request_id: str) -> str:

@@ -406,3 +406,17 @@ def write_config(tmp_path: Path, network: dict[str, str] | None = None, **values
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def deny(cloud, monkeypatch, service: str) -> None:
+    """Every call ``cloud`` makes to ``service`` is refused, as credentials without its permissions would be."""
+    from neuron_disagg.deploy.errors import PermissionDenied
+
+    call = cloud.call
+
+    def denied(svc, operation, **params):
+        if svc == service:
+            raise PermissionDenied(f"the credentials may not call {operation}")
+        return call(svc, operation, **params)
+
+    monkeypatch.setattr(cloud, "call", denied)

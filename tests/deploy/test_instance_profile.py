@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from neuron_disagg.deploy import cli, instance_profile
-from neuron_disagg.deploy.errors import PermissionDenied
 from neuron_disagg.deploy.instance_profile import ProfileCannotReadSecret
 from neuron_disagg.deploy.launch import launch
 
-from .conftest import register_image
+from .conftest import deny, register_image
 from .test_launch import deployment, instances_of, tags
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-32b.yaml"
@@ -85,14 +84,7 @@ def test_a_missing_profile_or_an_explicit_deny_is_refused_and_a_wide_one_accepte
 
 
 def test_without_iam_read_permission_launch_warns_and_goes_on(cloud, network, baked_ami, ec2, tmp_path, monkeypatch):
-    call = cloud.call
-
-    def denied(service, operation, **params):
-        if service == "iam":
-            raise PermissionDenied(f"the credentials may not call {operation}")
-        return call(service, operation, **params)
-
-    monkeypatch.setattr(cloud, "call", denied)
+    deny(cloud, monkeypatch, "iam")
     launch(cloud, deployment(tmp_path, network))
     assert "WARNING: cannot check that instance profile nd-test may read the secret" in cloud.log.getvalue()
     assert len(instances_of(ec2)) == 2

@@ -14,7 +14,7 @@ from neuron_disagg.deploy import status as deploy_status
 from neuron_disagg.deploy.launch import launch
 from neuron_disagg.deploy.teardown import teardown
 
-from .conftest import INSTANCE_PROFILE, REGION, write_config
+from .conftest import INSTANCE_PROFILE, REGION, deny, write_config
 from .test_launch import deployment, instances_of
 
 
@@ -124,17 +124,8 @@ def test_a_role_of_the_deployments_name_the_user_made_is_left_alone(cloud, sessi
 
 def test_teardown_without_iam_permission_removes_the_rest_and_says_what_is_left(cloud, network, baked_ami, ec2,
                                                                               monkeypatch, tmp_path):
-    from neuron_disagg.deploy.errors import PermissionDenied
-
     launched = launch(cloud, deployment(tmp_path, network))
-    call = cloud.call
-
-    def no_iam(service, operation, **params):
-        if service == "iam":
-            raise PermissionDenied(f"the credentials may not call {operation}")
-        return call(service, operation, **params)
-
-    monkeypatch.setattr(cloud, "call", no_iam)
+    deny(cloud, monkeypatch, "iam")
     result = teardown(cloud, "t1", secret_parameter_name="/neuron-disagg/t1/secret", timeout_s=30, poll_s=0.1)
     assert result.terminated and result.security_groups_deleted == [launched.security_group_id]
     assert not result.instance_profile_deleted
