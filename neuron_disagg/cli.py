@@ -3,35 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    module: str  # relative to this package; its ``main(argv)`` parses the command's own flags
+    extra: str | None  # the optional dependencies it needs beyond the base install
+    help: str
+
+
+# A vLLM environment installs the base package (connector, serve, doctor); the rest come with extras.
+COMMANDS: dict[str, Command] = {
+    "serve": Command(".vllm.serve", None,
+                     "start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)"),
+    "doctor": Command(".doctor", None,
+                      "check this host for serving: vLLM, NIXL backends, EFA, Neuron, config (see --help)"),
+    "install-fabric-libs": Command(".platforms.fabric_libs", None,
+                                   "put what NIXL's LIBFABRIC plugin needs besides libfabric in place (Neuron: "
+                                   "libcuda stub, CUDA runtime, hwloc; --platform cuda: CUDA runtime, hwloc)"),
+    "router": Command(".router.cli", "router",
+                      "push-aware OpenAI-compatible proxy (see `neuron-disagg router --help`)"),
+    "bench": Command(".bench.cli", "bench", "monolithic vs ours (push, pull) vs vLLM's NIXL connectors under "
+                                            "load, side by side (see `neuron-disagg bench --help`)"),
+    "ray-serve": Command(".ray_serve.app", "ray", "P and D as Ray Serve LLM deployments behind Ray's OpenAI app, "
+                                                  "our connector between them (see `neuron-disagg ray-serve --help`)"),
+    **{name: Command(".deploy.cli", "deploy", f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
+       for name in ("launch", "status", "teardown", "instance-profile")},
+}
+# The top-level modules each extra brings (pyproject.toml), checked before a command starts, so a
+# bench without matplotlib fails at once rather than after its runs.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "router": ("aiohttp", "prometheus_client"),
+    "demo": ("aiohttp", "prometheus_client", "httpx", "rich"),
+    "bench": ("aiohttp", "prometheus_client", "httpx", "rich", "matplotlib"),
+    "deploy": ("boto3", "botocore"),
+    "ray": ("ray",),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["router"]:  # the router parses its own flags
-        from .router.cli import main as router_main
-        return router_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from .bench.cli import main as bench_main
-        return bench_main(argv[1:])
-    if argv[:1] == ["simulate"]:
-        from .sim.cli import main as simulate_main
-        return simulate_main(argv[1:])
-    if argv[:1] and argv[0] in ("launch", "status", "teardown", "instance-profile"):
-        from .deploy.cli import main as deploy_main
-        return deploy_main(argv)
-    if argv[:1] == ["doctor"]:
-        from .doctor import main as doctor_main
-        return doctor_main(argv[1:])
-    if argv[:1] == ["install-fabric-libs"]:
-        from .platforms.fabric_libs import main as fabric_libs_main
-        return fabric_libs_main(argv[1:])
-    if argv[:1] == ["serve"]:  # passes everything after `--` to `vllm serve`
-        from .vllm.serve import main as serve_main
-        return serve_main(argv[1:])
-    if argv[:1] == ["ray-serve"]:
-        from .ray_serve.app import main as ray_serve_main
-        return ray_serve_main(argv[1:])
+    name = argv[0] if argv else None
+    if name in COMMANDS:
+        command = COMMANDS[name]
+        # The deploy commands share one parser, which reads the command's name itself.
+        args = argv if command.module == ".deploy.cli" else argv[1:]
+        return _with_extra(name, command.extra, lambda: importlib.import_module(command.module, __package__).main(args))
     parser = argparse.ArgumentParser(prog="neuron-disagg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="P, D and the router on 127.0.0.1 with a tiny model: push mode end to end")
@@ -39,27 +60,32 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead: the protocol core alone in one process over an in-memory transport, "
                            "with each request's timeline")
     demo.add_argument("--prefill-ms", type=float, default=20.0, help="--in-process: simulated prefill time")
-    sub.add_parser("router", help="push-aware OpenAI-compatible proxy (see `neuron-disagg router --help`)")
-    sub.add_parser("bench", help="monolithic vs ours (push, pull) vs vLLM's NIXL connectors under load, "
-                                 "side by side (see `neuron-disagg bench --help`)")
-    sub.add_parser("simulate", help="discrete-event model of push vs pull serving (see `neuron-disagg simulate --help`)")
-    for name in ("launch", "status", "teardown", "instance-profile"):
-        sub.add_parser(name, help=f"AWS deployment: {name} (see `neuron-disagg {name} --help`)")
-    sub.add_parser("doctor", help="check this host for serving: vLLM, NIXL backends, EFA, Neuron, config (see --help)")
-    sub.add_parser("install-fabric-libs", help="put what NIXL's LIBFABRIC plugin needs besides libfabric in place "
-                                               "(Neuron: libcuda stub, CUDA runtime, hwloc; --platform cuda: CUDA "
-                                               "runtime, hwloc) (see --help)")
-    sub.add_parser("serve", help="start vLLM as a prefill or decode instance (see `neuron-disagg serve --help`)")
-    sub.add_parser("ray-serve", help="P and D as Ray Serve LLM deployments behind Ray's OpenAI app, our connector "
-                                     "between them (needs ray[serve]; see `neuron-disagg ray-serve --help`)")
+    for command_name, command in COMMANDS.items():
+        sub.add_parser(command_name, help=command.help)
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.in_process:
-        from .demo.in_process import run_demo
-        return run_demo(prefill_ms=args.prefill_ms)
-    if args.command == "demo":
-        from .demo.served import run_demo
-        return run_demo()
-    return 2
+    if args.in_process:
+        return _with_extra("demo", "demo", lambda: _demo_in_process(args.prefill_ms))
+    return _with_extra("demo", "demo", _demo_served)
+
+
+def _demo_in_process(prefill_ms: float) -> int:
+    from .demo.in_process import run_demo
+    return run_demo(prefill_ms=prefill_ms)
+
+
+def _demo_served() -> int:
+    from .demo.served import run_demo
+    return run_demo()
+
+
+def _with_extra(name: str, extra: str | None, run: Callable[[], int]) -> int:
+    """Runs a command once the modules of its extra are importable; otherwise says which extra to install."""
+    missing = [m for m in EXTRA_MODULES.get(extra or "", ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"neuron-disagg {name} needs the [{extra}] extra ({', '.join(missing)} not installed): "
+              f"pip install 'neuron-disagg[{extra}]'", file=sys.stderr)
+        return 2
+    return run()
 
 
 if __name__ == "__main__":

@@ -371,16 +371,14 @@ def _image_platform(name: str, root: str):
     return CudaPlatform(root)
 
 
-def _print_table(checks: list[Check], summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    colour = {"ok": "green", "warn": "yellow", "fail": "red"}
-    table = Table(title="neuron-disagg doctor")
-    for col in ("check", "status", "detail", "fix"):
-        table.add_column(col, overflow="fold")
+def _print_table(checks: list[Check]) -> None:
+    # Plain text: doctor runs in a vLLM environment, which has only the base install.
+    name_width = max(len(c.name) for c in checks)
+    print("neuron-disagg doctor")
     for c in checks:
-        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.message, c.fix)
-    Console().print(table)
+        print(f"  {c.status:<4}  {c.name:<{name_width}}  {c.message}")
+        if c.fix and c.status != "ok":
+            print(f"  {'':<4}  {'':<{name_width}}  fix: {c.fix}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"ok": ok, **summary, "checks": [asdict(c) for c in checks]}, indent=2))
     else:
-        _print_table(checks, summary)
+        _print_table(checks)
     return 0 if ok else 1
 
 

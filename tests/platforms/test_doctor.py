@@ -51,6 +51,16 @@ def test_missing_secret_fails_with_a_fix(tmp_path, capsys, monkeypatch):
     assert rc != 0 and secret["status"] == "fail" and "openssl rand" in secret["fix"]
 
 
+def test_the_plain_report_shows_each_check_and_the_fix_for_what_failed(tmp_path, capsys, monkeypatch):
+    """Without --json doctor prints plain text: a vLLM environment has only the base install."""
+    monkeypatch.delenv("NEURON_DISAGG_SECRET", raising=False)
+    rc = doctor.main(["--config", _config(tmp_path, _free_port())])
+    lines = capsys.readouterr().out.splitlines()
+    secret = next(i for i, line in enumerate(lines) if line.split()[:2] == ["fail", "secret"])
+    assert rc != 0 and "openssl rand" in lines[secret + 1] and lines[secret + 1].split()[0] == "fix:"
+    assert any(line.split()[:2] == ["ok", "platform"] for line in lines)
+
+
 def test_image_bake_passes_without_a_secret(tmp_path, capsys, monkeypatch):
     """The AMI's last step runs `doctor --image`: no deployment secret exists at bake time."""
     monkeypatch.delenv("NEURON_DISAGG_SECRET", raising=False)
