@@ -29,6 +29,7 @@ from .liveness import PeerWatch
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, refuse_late_allocation
 from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
 from .plan import writer_ranks
+from .timeouts import DEFAULTS
 
 
 class DState(enum.Enum):
@@ -141,15 +142,15 @@ class ConsumerTransfer(Entry[DState]):
     next_heartbeat_at: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConsumerTimeouts:
-    watchdog_s: float = 120.0
-    admission_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 5.0
-    max_write_s: float = 30.0
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
-    suspect_after_s: float = 3.0
+    watchdog_s: float = DEFAULTS.watchdog_s
+    admission_timeout_s: float = DEFAULTS.admission_timeout_s
+    heartbeat_interval_s: float = DEFAULTS.heartbeat_interval_s
+    max_write_s: float = DEFAULTS.max_write_s
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
+    suspect_after_s: float = DEFAULTS.suspect_after_s
 
 
 class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):

@@ -16,6 +16,7 @@ from .actions import FailTransfer, FreeBlocks
 from .machine import Entry, Rule, StateMachine, Step
 from .messages import PullOffer, ReadDone, ReadFailed, TransferId
 from .plan import target_ranks
+from .timeouts import DEFAULTS
 
 
 class LState(enum.Enum):
@@ -62,11 +63,11 @@ for _end in (S.RELEASED, S.EXPIRED):
     TABLE[(_end, E.OFFER)] = Rule(None, (F.FREE_LATE_BLOCKS,))  # nobody will read it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LenderTimeouts:
-    max_read_s: float = 30.0  # a reader's READ may last this long after the offer's expiry
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
+    max_read_s: float = DEFAULTS.max_read_s  # a reader's READ may last this long after the offer's expiry
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
 
 
 @dataclass

@@ -31,6 +31,7 @@ from .messages import (
     WriteFailed,
 )
 from .plan import WritePlan, plan_write, target_ranks
+from .timeouts import DEFAULTS
 
 
 class PState(enum.Enum):
@@ -171,13 +172,13 @@ class ProducerTransfer(Entry[PState]):
     planned: tuple[Registration, tuple[int, ...], WritePlan] | None = None  # kv_coming's: for which registration and blocks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProducerTimeouts:
-    lease_s: float = 30.0
-    max_write_s: float = 30.0
-    watchdog_s: float = 120.0  # caps how long a registration can keep us waiting
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
+    lease_s: float = DEFAULTS.lease_s
+    max_write_s: float = DEFAULTS.max_write_s
+    watchdog_s: float = DEFAULTS.watchdog_s  # caps how long a registration can keep us waiting
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
 
 
 class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):

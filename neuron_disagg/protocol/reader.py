@@ -24,6 +24,7 @@ from .errors import PlanError
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, clock_behind_reason, refuse_late_allocation
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from .plan import WritePlan, plan_rank_write, writer_ranks
+from .timeouts import DEFAULTS
 
 
 class RState(enum.Enum):
@@ -117,12 +118,12 @@ for _end in (S.DONE, S.FAILED, S.CANCELLED):
     TABLE[(_end, E.ALLOCATED)] = Rule(None, (F.FAIL, F.FREE_LATE_BLOCKS), LATE_ALLOCATION)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReaderTimeouts:
-    max_read_s: float = 30.0  # give up on a READ that takes longer; its blocks wait as long again for it
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
-    suspect_after_s: float = 3.0
+    max_read_s: float = DEFAULTS.max_read_s  # give up on a READ that takes longer; its blocks wait as long again for it
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
+    suspect_after_s: float = DEFAULTS.suspect_after_s
 
 
 @dataclass
