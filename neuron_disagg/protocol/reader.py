@@ -53,6 +53,7 @@ class REvent(enum.Enum):
 
 class REffect(enum.Enum):
     ARM_OFFER = "deadline := the offer's expiry"
+    KEEP_OFFER = "remember the offer, to tell P (no deadline: the transfer has ended)"
     SUBMIT_READ = "plan and post the READs; deadline := now + max_read_s"
     DRAIN = "deadline := the READ's deadline + max_read_s"
     ABORT_READ = "release in-flight READs"
@@ -71,7 +72,8 @@ TIMED_OUT = "read did not finish within max_read_s"
 TABLE: dict[tuple[RState, REvent], Rule] = {
     (S.NEW, E.OFFER): Rule(S.WAITING, (F.ARM_OFFER,)),
     (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED),
-    (S.NEW, E.CLOCK_BEHIND): Rule(S.FAILED, (F.ARM_OFFER, F.TELL_P_FAILED, F.FAIL)),
+    # Not ARM_OFFER: a deadline on an ended transfer would fire EXPIRED, which no ended state takes.
+    (S.NEW, E.CLOCK_BEHIND): Rule(S.FAILED, (F.KEEP_OFFER, F.TELL_P_FAILED, F.FAIL)),
     (S.WAITING, E.ALLOCATED): Rule(S.READING, (F.SUBMIT_READ,)),
     (S.WAITING, E.ABORT): Rule(S.CANCELLED, (F.TELL_P_FAILED,)),
     (S.WAITING, E.SUPERSEDED): Rule(S.CANCELLED, (F.TELL_P_FAILED,), "superseded by a newer attempt"),
@@ -228,6 +230,8 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         tid = entry.transfer_id
         if effect is REffect.ARM_OFFER:
             entry.offer, entry.deadline = step.payload, step.payload.expires_at
+        elif effect is REffect.KEEP_OFFER:
+            entry.offer = step.payload
         elif effect is REffect.SUBMIT_READ:
             entry.local, entry.block_ids, entry.first_block_index = step.payload
             try:

@@ -274,3 +274,11 @@ def test_a_read_from_a_prefill_that_is_gone_recovers_now_and_holds_its_blocks_un
     assert not [a for a in c.tick(4.9) if isinstance(a, FreeBlocks)]
     actions = c.tick(5.0)
     assert AbortRead(TID) in actions and FreeBlocks(TID, D_BLOCKS) in actions
+
+
+def test_an_offer_refused_for_clock_skew_leaves_no_deadline_to_fire_on_the_ended_transfer():
+    c = ReaderCore(0, 1, ReaderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5), strict=True)
+    c.offered(msgspec.structs.replace(offer(expires_at=13.0), sent_at=10.0), 0)  # sent from 10 s in our future
+    assert c.state_of(TID) is RState.FAILED
+    c.tick(20)  # past the offer's expiry: strict, so an EXPIRED with no row would raise
+    assert not [k for k in c.counters if k.startswith("undefined")]
