@@ -9,6 +9,7 @@ and never printed.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,6 +20,7 @@ from .protocol.consumer import ConsumerTimeouts
 from .protocol.lender import LenderTimeouts
 from .protocol.producer import ProducerTimeouts
 from .protocol.reader import ReaderTimeouts
+from .protocol.timeouts import DEFAULTS, Timeouts
 from .protocol.wire import MIN_SECRET_BYTES
 
 if TYPE_CHECKING:
@@ -38,25 +40,25 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["push", "pull"] = Field("push", description="how KV moves from P to D")
-    lease_s: float = Field(30.0, gt=0, le=3600,
+    lease_s: float = Field(DEFAULTS.lease_s, gt=0, le=3600,
                            description="P holds finished blocks this long without word from D")
-    heartbeat_interval_s: float = Field(5.0, gt=0, le=600,
+    heartbeat_interval_s: float = Field(DEFAULTS.heartbeat_interval_s, gt=0, le=600,
                                         description="D renews P's lease this often")
-    watchdog_s: float = Field(120.0, gt=0, le=3600,
+    watchdog_s: float = Field(DEFAULTS.watchdog_s, gt=0, le=3600,
                               description="D waits this long for KV after registering")
-    admission_timeout_s: float = Field(300.0, gt=0, le=86400,
+    admission_timeout_s: float = Field(DEFAULTS.admission_timeout_s, gt=0, le=86400,
                                        description="D waits this long to allocate blocks")
-    max_write_s: float = Field(30.0, gt=0, le=3600,
+    max_write_s: float = Field(DEFAULTS.max_write_s, gt=0, le=3600,
                                description="P gives up on a write that takes longer, then waits as long "
                                "again for it to end before releasing it; D fences its blocks for both")
-    max_read_s: float = Field(30.0, gt=0, le=3600,
+    max_read_s: float = Field(DEFAULTS.max_read_s, gt=0, le=3600,
                               description="pull: D gives up on a read that takes longer (P's lease on an "
                               "offer covers it), then keeps its blocks as long again for it to end")
-    clock_skew_allowance_s: float = Field(1.0, ge=0, le=60,
+    clock_skew_allowance_s: float = Field(DEFAULTS.clock_skew_allowance_s, ge=0, le=60,
                                           description="added to fences: clock skew + tick interval")
-    tombstone_s: float = Field(600.0, gt=0, le=86400,
+    tombstone_s: float = Field(DEFAULTS.tombstone_s, gt=0, le=86400,
                                description="ended transfers are remembered this long")
-    suspect_after_s: float = Field(3.0, ge=0.3, le=600,
+    suspect_after_s: float = Field(DEFAULTS.suspect_after_s, ge=0.3, le=600,
                                    description="D: a P rank that answers no probe for this long (or refuses "
                                    "one, or answers as a restarted process) is gone: the requests waiting "
                                    "on it go on at once (computed here, or failed, as the policy says); "
@@ -65,7 +67,7 @@ class Config(BaseModel):
     secret_env: str = Field("NEURON_DISAGG_SECRET", min_length=1,
                             description="environment variable holding the deployment secret")
     secret_file: Path | None = Field(None, description="file holding the secret (used if set)")
-    params_ttl_s: float = Field(600.0, gt=0, le=86400,
+    params_ttl_s: float = Field(DEFAULTS.params_ttl_s, gt=0, le=86400,
                                 description="the router's signed kv_transfer_params are honoured this "
                                 "long; a request queued longer runs as a plain request")
     accept_unsigned_prefill_legs: bool = Field(
@@ -162,19 +164,18 @@ class Config(BaseModel):
     def side_channel(self) -> str:
         return f"{self.side_channel_host}:{self.side_channel_port}"
 
+    def timeouts(self) -> Timeouts:
+        """The configured timeouts, which each side's are picked from by name."""
+        return Timeouts(**{f.name: getattr(self, f.name) for f in fields(Timeouts)})
+
     def producer_timeouts(self) -> ProducerTimeouts:
-        return ProducerTimeouts(self.lease_s, self.max_write_s, self.watchdog_s,
-                                self.clock_skew_allowance_s, self.tombstone_s)
+        return self.timeouts().for_side(ProducerTimeouts)
 
     def lender_timeouts(self) -> LenderTimeouts:
-        return LenderTimeouts(self.max_read_s, self.clock_skew_allowance_s, self.tombstone_s)
+        return self.timeouts().for_side(LenderTimeouts)
 
     def reader_timeouts(self) -> ReaderTimeouts:
-        return ReaderTimeouts(max_read_s=self.max_read_s, clock_skew_allowance_s=self.clock_skew_allowance_s,
-                              tombstone_s=self.tombstone_s, suspect_after_s=self.suspect_after_s)
+        return self.timeouts().for_side(ReaderTimeouts)
 
     def consumer_timeouts(self) -> ConsumerTimeouts:
-        return ConsumerTimeouts(watchdog_s=self.watchdog_s, admission_timeout_s=self.admission_timeout_s,
-                                heartbeat_interval_s=self.heartbeat_interval_s, max_write_s=self.max_write_s,
-                                clock_skew_allowance_s=self.clock_skew_allowance_s, tombstone_s=self.tombstone_s,
-                                suspect_after_s=self.suspect_after_s)
+        return self.timeouts().for_side(ConsumerTimeouts)

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .protocol.messages import TransferId
+from .protocol.timeouts import DEFAULTS
 from .protocol.wire import MIN_SECRET_BYTES
 
 KEY = "neuron_disagg"  # present, with the contract's version, in every set of params that is ours
 VERSION = 1
 
 
-DEFAULT_TTL_S = 600.0
 _DOMAIN = b"neuron-disagg kv_transfer_params v1\0"  # a params signature is never a wire message's
 
 
@@ -54,7 +54,8 @@ class ParamsSigner:
     waits in P's or D's queue (one that waits longer runs as a plain request). ``skew_s``: how far
     the router's clock may run ahead of the instance's."""
 
-    def __init__(self, secret: bytes, ttl_s: float = DEFAULT_TTL_S, skew_s: float = 1.0):
+    def __init__(self, secret: bytes, ttl_s: float = DEFAULTS.params_ttl_s,
+                 skew_s: float = DEFAULTS.clock_skew_allowance_s):
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the deployment secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret, self.ttl_s, self.skew_s = secret, ttl_s, skew_s

@@ -111,8 +111,10 @@ def rank_main(spec: dict, conn) -> None:
     agent = f"{role}{rank}-{os.getpid()}"
     address = f"127.0.0.1:{spec['port']}"
     # The rank as the connector's worker assembles it: two agents, both of the role's threads.
-    timeouts = RankTimeouts(producer=ProducerTimeouts(30, 10, 60, 0.5, 60),
-                            consumer=ConsumerTimeouts(60, 60, 1, 10, 0.5, 60))
+    timeouts = RankTimeouts(producer=ProducerTimeouts(lease_s=30, max_write_s=10, watchdog_s=60,
+                                                      clock_skew_allowance_s=0.5, tombstone_s=60),
+                            consumer=ConsumerTimeouts(watchdog_s=60, admission_timeout_s=60, heartbeat_interval_s=1,
+                                                      max_write_s=10, clock_skew_allowance_s=0.5, tombstone_s=60))
     node = Rank(role, rank, tp, regions, codec=WireCodec(bytes.fromhex(spec["secret"])), agent_name=agent,
                 side_channel_host="127.0.0.1", side_channel_port=spec["port"], advertised=address,
                 timeouts=timeouts, memory_type=platform.memory_type, total_heads=TOTAL_HEADS).start()

@@ -29,6 +29,7 @@ from .liveness import PeerWatch
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, refuse_late_allocation
 from .messages import Cancel, CancelAck, Heartbeat, Registration, TransferId, WriteDone, WriteFailed
 from .plan import writer_ranks
+from .timeouts import DEFAULTS
 
 
 class DState(enum.Enum):
@@ -70,65 +71,64 @@ class DEffect(enum.Enum):
 
 
 S, E, F = DState, DEvent, DEffect
-_R = Rule
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
 
 TABLE: dict[tuple[DState, DEvent], Rule] = {
-    (S.NEW, E.EXPECT): _R(S.PENDING, (F.ARM_ADMISSION,)),
-    (S.NEW, E.SUPERSEDED): _R(S.CANCELLED, (), "superseded by a newer attempt"),
+    (S.NEW, E.EXPECT): Rule(S.PENDING, (F.ARM_ADMISSION,)),
+    (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED, (), "superseded by a newer attempt"),
     # -- waiting for our own scheduler to allocate blocks --------------------------------------
-    (S.PENDING, E.ALLOCATED): _R(S.REGISTERED, (F.SEND_REGISTRATION,)),
-    (S.PENDING, E.ABORT): _R(S.CANCELLED, (F.SEND_CANCEL,)),
-    (S.PENDING, E.SUPERSEDED): _R(S.CANCELLED, (F.SEND_CANCEL,), "superseded by a newer attempt"),
-    (S.PENDING, E.EXPIRED): _R(
+    (S.PENDING, E.ALLOCATED): Rule(S.REGISTERED, (F.SEND_REGISTRATION,)),
+    (S.PENDING, E.ABORT): Rule(S.CANCELLED, (F.SEND_CANCEL,)),
+    (S.PENDING, E.SUPERSEDED): Rule(S.CANCELLED, (F.SEND_CANCEL,), "superseded by a newer attempt"),
+    (S.PENDING, E.EXPIRED): Rule(
         S.FAILED, (F.SEND_CANCEL, F.FAIL), "decode did not admit the request within admission_timeout_s"),
-    (S.PENDING, E.EXPECT): _R(None, (F.DROP,)),
-    (S.PENDING, E.SUSPECTED): _R(S.FAILED, (F.SEND_CANCEL, F.FAIL)),  # its blocks, when allocated, fail at once
+    (S.PENDING, E.EXPECT): Rule(None, (F.DROP,)),
+    (S.PENDING, E.SUSPECTED): Rule(S.FAILED, (F.SEND_CANCEL, F.FAIL)),  # its blocks, when allocated, fail at once
     # -- blocks registered: P's writes may land at any moment ----------------------------------
-    (S.REGISTERED, E.VERDICT): _R(None),
-    (S.REGISTERED, E.DELIVERED): _R(S.DONE, (F.FINISH_LOAD,)),
-    (S.REGISTERED, E.UNDELIVERABLE): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
-    (S.REGISTERED, E.ABORT): _R(S.CANCELLING, (F.SEND_CANCEL, F.ARM_FENCE)),
-    (S.REGISTERED, E.SUPERSEDED): _R(
+    (S.REGISTERED, E.VERDICT): Rule(None),
+    (S.REGISTERED, E.DELIVERED): Rule(S.DONE, (F.FINISH_LOAD,)),
+    (S.REGISTERED, E.UNDELIVERABLE): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.REGISTERED, E.ABORT): Rule(S.CANCELLING, (F.SEND_CANCEL, F.ARM_FENCE)),
+    (S.REGISTERED, E.SUPERSEDED): Rule(
         S.CANCELLING, (F.SEND_CANCEL, F.ARM_FENCE), "superseded by a newer attempt"),
-    (S.REGISTERED, E.EXPIRED): _R(
+    (S.REGISTERED, E.EXPIRED): Rule(
         S.TIMING_OUT, (F.SEND_CANCEL, F.ARM_FENCE), "no KV from prefill within watchdog_s"),
-    (S.REGISTERED, E.EXPECT): _R(None, (F.DROP,)),
-    (S.REGISTERED, E.SUSPECTED): _R(S.QUARANTINED, (F.SEND_CANCEL, F.ARM_FENCE, F.QUARANTINE)),
+    (S.REGISTERED, E.EXPECT): Rule(None, (F.DROP,)),
+    (S.REGISTERED, E.SUSPECTED): Rule(S.QUARANTINED, (F.SEND_CANCEL, F.ARM_FENCE, F.QUARANTINE)),
     # -- fenced: blocks stay ours, untouched, until P confirms or the fence lapses ------------
-    (S.CANCELLING, E.VERDICT): _R(None),
-    (S.CANCELLING, E.DELIVERED): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
-    (S.CANCELLING, E.UNDELIVERABLE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
-    (S.CANCELLING, E.EXPIRED): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
-    (S.CANCELLING, E.ABORT): _R(None, (F.DROP,)),
-    (S.CANCELLING, E.SUPERSEDED): _R(None),
-    (S.CANCELLING, E.EXPECT): _R(None, (F.DROP,)),
-    (S.TIMING_OUT, E.VERDICT): _R(None),
-    (S.TIMING_OUT, E.DELIVERED): _R(S.DONE, (F.FINISH_LOAD,)),  # late, but every byte landed
-    (S.TIMING_OUT, E.UNDELIVERABLE): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
-    (S.TIMING_OUT, E.EXPIRED): _R(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
-    (S.TIMING_OUT, E.ABORT): _R(S.CANCELLING),
-    (S.TIMING_OUT, E.SUPERSEDED): _R(S.CANCELLING),
-    (S.TIMING_OUT, E.EXPECT): _R(None, (F.DROP,)),
-    (S.TIMING_OUT, E.SUSPECTED): _R(S.QUARANTINED, (F.QUARANTINE,)),  # fence already armed
+    (S.CANCELLING, E.VERDICT): Rule(None),
+    (S.CANCELLING, E.DELIVERED): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.UNDELIVERABLE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.EXPIRED): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.CANCELLING, E.ABORT): Rule(None, (F.DROP,)),
+    (S.CANCELLING, E.SUPERSEDED): Rule(None),
+    (S.CANCELLING, E.EXPECT): Rule(None, (F.DROP,)),
+    (S.TIMING_OUT, E.VERDICT): Rule(None),
+    (S.TIMING_OUT, E.DELIVERED): Rule(S.DONE, (F.FINISH_LOAD,)),  # late, but every byte landed
+    (S.TIMING_OUT, E.UNDELIVERABLE): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.TIMING_OUT, E.EXPIRED): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS)),
+    (S.TIMING_OUT, E.ABORT): Rule(S.CANCELLING),
+    (S.TIMING_OUT, E.SUPERSEDED): Rule(S.CANCELLING),
+    (S.TIMING_OUT, E.EXPECT): Rule(None, (F.DROP,)),
+    (S.TIMING_OUT, E.SUSPECTED): Rule(S.QUARANTINED, (F.QUARANTINE,)),  # fence already armed
     # -- quarantined: the request went on; the blocks wait for P's word or the fence -----------
-    (S.QUARANTINED, E.VERDICT): _R(None),
-    (S.QUARANTINED, E.DELIVERED): _R(S.FAILED, (F.COUNT_LATE_LANDING, F.FREE_BLOCKS)),
-    (S.QUARANTINED, E.UNDELIVERABLE): _R(S.FAILED, (F.FREE_BLOCKS,)),
-    (S.QUARANTINED, E.EXPIRED): _R(S.FAILED, (F.FREE_BLOCKS,)),
-    (S.QUARANTINED, E.ABORT): _R(None, (F.DROP,)),
-    (S.QUARANTINED, E.SUPERSEDED): _R(None),
-    (S.QUARANTINED, E.EXPECT): _R(None, (F.DROP,)),
+    (S.QUARANTINED, E.VERDICT): Rule(None),
+    (S.QUARANTINED, E.DELIVERED): Rule(S.FAILED, (F.COUNT_LATE_LANDING, F.FREE_BLOCKS)),
+    (S.QUARANTINED, E.UNDELIVERABLE): Rule(S.FAILED, (F.FREE_BLOCKS,)),
+    (S.QUARANTINED, E.EXPIRED): Rule(S.FAILED, (F.FREE_BLOCKS,)),
+    (S.QUARANTINED, E.ABORT): Rule(None, (F.DROP,)),
+    (S.QUARANTINED, E.SUPERSEDED): Rule(None),
+    (S.QUARANTINED, E.EXPECT): Rule(None, (F.DROP,)),
 }
 for _end in TERMINAL:
     TABLE.update({
-        (_end, E.EXPECT): _R(None, (F.DROP,)),
-        (_end, E.ABORT): _R(None, (F.DROP,)),  # e.g. the client leaves after its KV arrived
-        (_end, E.SUPERSEDED): _R(None),
+        (_end, E.EXPECT): Rule(None, (F.DROP,)),
+        (_end, E.ABORT): Rule(None, (F.DROP,)),  # e.g. the client leaves after its KV arrived
+        (_end, E.SUPERSEDED): Rule(None),
         # A request of the same prompt and kv_transfer_params after this transfer ended (the
         # scheduler lets such a sibling use the KV this one brought; this is the last line): P
         # writes nothing more, so the load fails at once and D computes it, never waits for ever.
-        (_end, E.ALLOCATED): _R(None, (F.FAIL, F.FREE_LATE_BLOCKS), LATE_ALLOCATION),
+        (_end, E.ALLOCATED): Rule(None, (F.FAIL, F.FREE_LATE_BLOCKS), LATE_ALLOCATION),
     })
 
 
@@ -142,15 +142,15 @@ class ConsumerTransfer(Entry[DState]):
     next_heartbeat_at: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConsumerTimeouts:
-    watchdog_s: float = 120.0
-    admission_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 5.0
-    max_write_s: float = 30.0
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
-    suspect_after_s: float = 3.0
+    watchdog_s: float = DEFAULTS.watchdog_s
+    admission_timeout_s: float = DEFAULTS.admission_timeout_s
+    heartbeat_interval_s: float = DEFAULTS.heartbeat_interval_s
+    max_write_s: float = DEFAULTS.max_write_s
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
+    suspect_after_s: float = DEFAULTS.suspect_after_s
 
 
 class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):

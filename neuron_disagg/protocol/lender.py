@@ -4,7 +4,7 @@ P offers its finished blocks (``PullOffer``, built by P's scheduler, relayed by 
 holds them under a lease: until every D rank that reads from this rank confirmed (``ReadDone``
 rides on the READ, ``ReadFailed`` comes over the side channel), or until the offer's expiry plus
 the longest a READ may take (``max_read_s``) and the clock skew allowance. Every transition is in
-``LENDER_TABLE``; the core does no I/O and is called only by P's pull lender thread.
+``TABLE``; the core does no I/O and is called only by P's pull lender thread.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .actions import FailTransfer, FreeBlocks
 from .machine import Entry, Rule, StateMachine, Step
 from .messages import PullOffer, ReadDone, ReadFailed, TransferId
 from .plan import target_ranks
+from .timeouts import DEFAULTS
 
 
 class LState(enum.Enum):
@@ -43,30 +44,30 @@ class LEffect(enum.Enum):
     DROP = "count"
 
 
-_L, _LE, _LF = LState, LEvent, LEffect
-LENDER_TABLE: dict[tuple[LState, LEvent], Rule] = {
-    (_L.NEW, _LE.OFFER): Rule(_L.HELD, (_LF.ARM_LEASE,)),
-    (_L.HELD, _LE.CONFIRMED): Rule(None),
-    (_L.HELD, _LE.ALL_CONFIRMED): Rule(_L.RELEASED, (_LF.FREE_BLOCKS,)),
-    (_L.HELD, _LE.EXPIRED): Rule(_L.EXPIRED, (_LF.FREE_BLOCKS, _LF.FAIL), "lease expired: no decode read the KV within its lease"),
-    (_L.HELD, _LE.ABORT): Rule(None, (_LF.DROP,)),  # a reader may be mid-READ: the lease decides
-    (_L.HELD, _LE.SUPERSEDED): Rule(None),          # likewise
-    (_L.NEW, _LE.SUPERSEDED): Rule(_L.RELEASED, (), "superseded by a newer attempt"),
-    (_L.HELD, _LE.WITHDRAWN): Rule(_L.RELEASED, (_LF.FREE_BLOCKS,),
+S, E, F = LState, LEvent, LEffect
+TABLE: dict[tuple[LState, LEvent], Rule] = {
+    (S.NEW, E.OFFER): Rule(S.HELD, (F.ARM_LEASE,)),
+    (S.HELD, E.CONFIRMED): Rule(None),
+    (S.HELD, E.ALL_CONFIRMED): Rule(S.RELEASED, (F.FREE_BLOCKS,)),
+    (S.HELD, E.EXPIRED): Rule(S.EXPIRED, (F.FREE_BLOCKS, F.FAIL), "lease expired: no decode read the KV within its lease"),
+    (S.HELD, E.ABORT): Rule(None, (F.DROP,)),  # a reader may be mid-READ: the lease decides
+    (S.HELD, E.SUPERSEDED): Rule(None),          # likewise
+    (S.NEW, E.SUPERSEDED): Rule(S.RELEASED, (), "superseded by a newer attempt"),
+    (S.HELD, E.WITHDRAWN): Rule(S.RELEASED, (F.FREE_BLOCKS,),
                                    "withdrawn by the router: no decode instance took the request"),
 }
-for _end in (_L.RELEASED, _L.EXPIRED):
-    LENDER_TABLE.update({(_end, e): Rule(None, (_LF.DROP,)) for e in (_LE.CONFIRMED, _LE.ALL_CONFIRMED, _LE.ABORT)})
-    LENDER_TABLE[(_end, _LE.SUPERSEDED)] = Rule(None)
-    LENDER_TABLE[(_end, _LE.WITHDRAWN)] = Rule(None)
-    LENDER_TABLE[(_end, _LE.OFFER)] = Rule(None, (_LF.FREE_LATE_BLOCKS,))  # nobody will read it
+for _end in (S.RELEASED, S.EXPIRED):
+    TABLE.update({(_end, e): Rule(None, (F.DROP,)) for e in (E.CONFIRMED, E.ALL_CONFIRMED, E.ABORT)})
+    TABLE[(_end, E.SUPERSEDED)] = Rule(None)
+    TABLE[(_end, E.WITHDRAWN)] = Rule(None)
+    TABLE[(_end, E.OFFER)] = Rule(None, (F.FREE_LATE_BLOCKS,))  # nobody will read it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LenderTimeouts:
-    max_read_s: float = 30.0  # a reader's READ may last this long after the offer's expiry
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
+    max_read_s: float = DEFAULTS.max_read_s  # a reader's READ may last this long after the offer's expiry
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
 
 
 @dataclass
@@ -80,7 +81,7 @@ class Loan(Entry[LState]):
 class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
     """P rank side of pull mode; called by P's pull lender thread."""
 
-    TABLE, NEW, TERMINAL = LENDER_TABLE, LState.NEW, frozenset({LState.RELEASED, LState.EXPIRED})
+    TABLE, NEW, TERMINAL = TABLE, LState.NEW, frozenset({LState.RELEASED, LState.EXPIRED})
     EXPIRED, SUPERSEDED, WITHDRAWN = LEvent.EXPIRED, LEvent.SUPERSEDED, LEvent.WITHDRAWN
 
     def __init__(self, tp_rank: int, tp_size: int, timeouts: LenderTimeouts = LenderTimeouts(),

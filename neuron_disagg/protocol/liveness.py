@@ -43,22 +43,21 @@ class PEffect(enum.Enum):
 
 
 S, E, F = PState, PEvent, PEffect
-_R = Rule
 TABLE: dict[tuple[PState, PEvent], Rule] = {
-    (S.UNKNOWN, E.ANSWERED): _R(S.ALIVE, (F.HEARD,)),
-    (S.UNKNOWN, E.RESTARTED): _R(S.ALIVE, (F.HEARD,)),  # unreachable: unknown has no incarnation yet
-    (S.UNKNOWN, E.REFUSED): _R(S.GONE, (F.SUSPECT,), "prefill unreachable: its side channel refused the connection"),
-    (S.UNKNOWN, E.SILENT): _R(S.GONE, (F.SUSPECT,), "prefill silent: no answer to a probe within suspect_after_s"),
-    (S.ALIVE, E.ANSWERED): _R(None, (F.HEARD,)),
-    (S.ALIVE, E.RESTARTED): _R(None, (F.HEARD, F.SUSPECT), "prefill restarted: a new process answers at its address"),
-    (S.ALIVE, E.REFUSED): _R(S.GONE, (F.SUSPECT,), "prefill unreachable: its side channel refused the connection"),
-    (S.ALIVE, E.SILENT): _R(S.GONE, (F.SUSPECT,), "prefill silent: no answer to a probe within suspect_after_s"),
+    (S.UNKNOWN, E.ANSWERED): Rule(S.ALIVE, (F.HEARD,)),
+    (S.UNKNOWN, E.RESTARTED): Rule(S.ALIVE, (F.HEARD,)),  # unreachable: unknown has no incarnation yet
+    (S.UNKNOWN, E.REFUSED): Rule(S.GONE, (F.SUSPECT,), "prefill unreachable: its side channel refused the connection"),
+    (S.UNKNOWN, E.SILENT): Rule(S.GONE, (F.SUSPECT,), "prefill silent: no answer to a probe within suspect_after_s"),
+    (S.ALIVE, E.ANSWERED): Rule(None, (F.HEARD,)),
+    (S.ALIVE, E.RESTARTED): Rule(None, (F.HEARD, F.SUSPECT), "prefill restarted: a new process answers at its address"),
+    (S.ALIVE, E.REFUSED): Rule(S.GONE, (F.SUSPECT,), "prefill unreachable: its side channel refused the connection"),
+    (S.ALIVE, E.SILENT): Rule(S.GONE, (F.SUSPECT,), "prefill silent: no answer to a probe within suspect_after_s"),
     # Back (a pause ended, the network healed): what it holds now may be delivered; what already
     # recovered stays recovered.
-    (S.GONE, E.ANSWERED): _R(S.ALIVE, (F.HEARD,)),
-    (S.GONE, E.RESTARTED): _R(S.ALIVE, (F.HEARD,)),
-    (S.GONE, E.REFUSED): _R(None),
-    (S.GONE, E.SILENT): _R(None),
+    (S.GONE, E.ANSWERED): Rule(S.ALIVE, (F.HEARD,)),
+    (S.GONE, E.RESTARTED): Rule(S.ALIVE, (F.HEARD,)),
+    (S.GONE, E.REFUSED): Rule(None),
+    (S.GONE, E.SILENT): Rule(None),
 }
 
 

@@ -1,5 +1,6 @@
 """The machinery both sides' state machines share: table lookup, strictness, time, tombstones and
-supersession. The tables themselves live in ``producer.py`` and ``consumer.py``.
+supersession. The tables themselves live in ``producer.py`` and ``consumer.py`` (push), ``lender.py``
+and ``reader.py`` (pull), each the module's ``TABLE``.
 
 An entry is one transfer on one side, with an explicit state and at most one deadline. The owner
 feeds events with the current time; when an entry's deadline has passed, its EXPIRED event fires

@@ -31,6 +31,7 @@ from .messages import (
     WriteFailed,
 )
 from .plan import WritePlan, plan_write, target_ranks
+from .timeouts import DEFAULTS
 
 
 class PState(enum.Enum):
@@ -79,86 +80,85 @@ class PEffect(enum.Enum):
 
 
 S, E, F = PState, PEvent, PEffect
-_R = Rule
 TIMED_OUT = "write did not finish within max_write_s"
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
 
 TABLE: dict[tuple[PState, PEvent], Rule] = {
     # -- first contact: either side of the rendezvous may come first -----------------------------
-    (S.NEW, E.REGISTRATION): _R(S.AWAITING_KV, (F.ARM_REGISTRATION,)),
-    (S.NEW, E.KV_READY): _R(S.AWAITING_REGISTRATION, (F.HOLD_BLOCKS, F.START_LEASE)),
-    (S.NEW, E.CANCEL): _R(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),  # tombstone fences a late registration
-    (S.NEW, E.ABORT): _R(S.FAILED, (), "prefill request aborted"),
-    (S.NEW, E.SUPERSEDED): _R(S.CANCELLED, (), "superseded by a newer attempt"),
+    (S.NEW, E.REGISTRATION): Rule(S.AWAITING_KV, (F.ARM_REGISTRATION,)),
+    (S.NEW, E.KV_READY): Rule(S.AWAITING_REGISTRATION, (F.HOLD_BLOCKS, F.START_LEASE)),
+    (S.NEW, E.CANCEL): Rule(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),  # tombstone fences a late registration
+    (S.NEW, E.ABORT): Rule(S.FAILED, (), "prefill request aborted"),
+    (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED, (), "superseded by a newer attempt"),
     # -- registration in, prefill running -------------------------------------------------------
-    (S.AWAITING_KV, E.KV_READY): _R(S.WRITING, (F.HOLD_BLOCKS, F.SUBMIT_WRITE)),
-    (S.AWAITING_KV, E.REGISTRATION): _R(None, (F.DROP,)),
-    (S.AWAITING_KV, E.HEARTBEAT): _R(None),
-    (S.AWAITING_KV, E.CANCEL): _R(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),
-    (S.AWAITING_KV, E.ABORT): _R(S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "prefill request aborted"),
-    (S.AWAITING_KV, E.EXPIRED): _R(
+    (S.AWAITING_KV, E.KV_READY): Rule(S.WRITING, (F.HOLD_BLOCKS, F.SUBMIT_WRITE)),
+    (S.AWAITING_KV, E.REGISTRATION): Rule(None, (F.DROP,)),
+    (S.AWAITING_KV, E.HEARTBEAT): Rule(None),
+    (S.AWAITING_KV, E.CANCEL): Rule(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),
+    (S.AWAITING_KV, E.ABORT): Rule(S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "prefill request aborted"),
+    (S.AWAITING_KV, E.EXPIRED): Rule(
         S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "registration expired before prefill finished"),
-    (S.AWAITING_KV, E.SUPERSEDED): _R(
+    (S.AWAITING_KV, E.SUPERSEDED): Rule(
         S.CANCELLED, (F.NOTIFY_CANCEL_ACK,), "superseded by a newer attempt"),
     # -- KV ready, held under a lease until D registers ----------------------------------------
-    (S.AWAITING_REGISTRATION, E.REGISTRATION): _R(S.WRITING, (F.SUBMIT_WRITE,)),
-    (S.AWAITING_REGISTRATION, E.HEARTBEAT): _R(None, (F.RENEW_LEASE,)),
-    (S.AWAITING_REGISTRATION, E.CANCEL): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
-    (S.AWAITING_REGISTRATION, E.ABORT): _R(S.FAILED, (F.FREE_BLOCKS, F.FAIL), "prefill request aborted"),
-    (S.AWAITING_REGISTRATION, E.EXPIRED): _R(
+    (S.AWAITING_REGISTRATION, E.REGISTRATION): Rule(S.WRITING, (F.SUBMIT_WRITE,)),
+    (S.AWAITING_REGISTRATION, E.HEARTBEAT): Rule(None, (F.RENEW_LEASE,)),
+    (S.AWAITING_REGISTRATION, E.CANCEL): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.AWAITING_REGISTRATION, E.ABORT): Rule(S.FAILED, (F.FREE_BLOCKS, F.FAIL), "prefill request aborted"),
+    (S.AWAITING_REGISTRATION, E.EXPIRED): Rule(
         S.FAILED, (F.FREE_BLOCKS, F.FAIL), "lease expired: no registration or heartbeat from decode"),
-    (S.AWAITING_REGISTRATION, E.SUPERSEDED): _R(
+    (S.AWAITING_REGISTRATION, E.SUPERSEDED): Rule(
         S.CANCELLED, (F.FREE_BLOCKS,), "superseded by a newer attempt"),
-    (S.AWAITING_REGISTRATION, E.WITHDRAWN): _R(
+    (S.AWAITING_REGISTRATION, E.WITHDRAWN): Rule(
         S.CANCELLED, (F.FREE_BLOCKS,), "withdrawn by the router: no decode instance took the request"),
-    (S.AWAITING_KV, E.WITHDRAWN): _R(None, (F.DROP,)),  # a D registered: it took the request after all
-    (S.WRITING, E.WITHDRAWN): _R(None, (F.DROP,)),
-    (S.WRITING_CANCELLED, E.WITHDRAWN): _R(None, (F.DROP,)),
+    (S.AWAITING_KV, E.WITHDRAWN): Rule(None, (F.DROP,)),  # a D registered: it took the request after all
+    (S.WRITING, E.WITHDRAWN): Rule(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.WITHDRAWN): Rule(None, (F.DROP,)),
     # -- our write is in flight: our blocks stay held until it ends ----------------------------
-    (S.WRITING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # WriteDone rode on the write
-    (S.WRITING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
-    (S.WRITING, E.EXPIRED): _R(S.DRAINING, (F.DRAIN,), TIMED_OUT),
-    (S.WRITING, E.CANCEL): _R(S.WRITING_CANCELLED),
-    (S.WRITING, E.SUPERSEDED): _R(S.WRITING_CANCELLED),
-    (S.WRITING, E.ABORT): _R(None),  # the write reads only blocks we hold; let it finish
-    (S.WRITING, E.HEARTBEAT): _R(None),
-    (S.WRITING, E.REGISTRATION): _R(None, (F.DROP,)),
-    (S.WRITING_CANCELLED, E.WRITE_DONE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
-    (S.WRITING_CANCELLED, E.WRITE_FAILED): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
-    (S.WRITING_CANCELLED, E.EXPIRED): _R(S.DRAINING_CANCELLED, (F.DRAIN,), TIMED_OUT),
-    (S.WRITING_CANCELLED, E.CANCEL): _R(None, (F.DROP,)),
-    (S.WRITING_CANCELLED, E.SUPERSEDED): _R(None),
-    (S.WRITING_CANCELLED, E.ABORT): _R(None),
-    (S.WRITING_CANCELLED, E.HEARTBEAT): _R(None, (F.DROP,)),
-    (S.WRITING_CANCELLED, E.REGISTRATION): _R(None, (F.DROP,)),
+    (S.WRITING, E.WRITE_DONE): Rule(S.DONE, (F.FREE_BLOCKS,)),  # WriteDone rode on the write
+    (S.WRITING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.WRITING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
+    (S.WRITING, E.CANCEL): Rule(S.WRITING_CANCELLED),
+    (S.WRITING, E.SUPERSEDED): Rule(S.WRITING_CANCELLED),
+    (S.WRITING, E.ABORT): Rule(None),  # the write reads only blocks we hold; let it finish
+    (S.WRITING, E.HEARTBEAT): Rule(None),
+    (S.WRITING, E.REGISTRATION): Rule(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.WRITE_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.WRITING_CANCELLED, E.WRITE_FAILED): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.WRITING_CANCELLED, E.EXPIRED): Rule(S.DRAINING_CANCELLED, (F.DRAIN,), TIMED_OUT),
+    (S.WRITING_CANCELLED, E.CANCEL): Rule(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.SUPERSEDED): Rule(None),
+    (S.WRITING_CANCELLED, E.ABORT): Rule(None),
+    (S.WRITING_CANCELLED, E.HEARTBEAT): Rule(None, (F.DROP,)),
+    (S.WRITING_CANCELLED, E.REGISTRATION): Rule(None, (F.DROP,)),
     # -- gave up on the write: until it ends, it may still read our blocks and land in D's -------
-    (S.DRAINING, E.WRITE_DONE): _R(S.DONE, (F.FREE_BLOCKS,)),  # late: D accepts it (TIMING_OUT)
-    (S.DRAINING, E.WRITE_FAILED): _R(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
-    (S.DRAINING, E.EXPIRED): _R(S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
-    (S.DRAINING, E.CANCEL): _R(S.DRAINING_CANCELLED),
-    (S.DRAINING, E.SUPERSEDED): _R(S.DRAINING_CANCELLED),
-    (S.DRAINING_CANCELLED, E.WRITE_DONE): _R(S.CANCELLED, (F.FREE_BLOCKS,)),
-    (S.DRAINING_CANCELLED, E.WRITE_FAILED): _R(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
-    (S.DRAINING_CANCELLED, E.EXPIRED): _R(S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
-    (S.DRAINING_CANCELLED, E.CANCEL): _R(None, (F.DROP,)),
-    (S.DRAINING_CANCELLED, E.SUPERSEDED): _R(None),
+    (S.DRAINING, E.WRITE_DONE): Rule(S.DONE, (F.FREE_BLOCKS,)),  # late: D accepts it (TIMING_OUT)
+    (S.DRAINING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
+    (S.DRAINING, E.EXPIRED): Rule(S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
+    (S.DRAINING, E.CANCEL): Rule(S.DRAINING_CANCELLED),
+    (S.DRAINING, E.SUPERSEDED): Rule(S.DRAINING_CANCELLED),
+    (S.DRAINING_CANCELLED, E.WRITE_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.DRAINING_CANCELLED, E.WRITE_FAILED): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.DRAINING_CANCELLED, E.EXPIRED): Rule(S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.DRAINING_CANCELLED, E.CANCEL): Rule(None, (F.DROP,)),
+    (S.DRAINING_CANCELLED, E.SUPERSEDED): Rule(None),
 }
 for _draining in (S.DRAINING, S.DRAINING_CANCELLED):
-    TABLE.update({(_draining, E.ABORT): _R(None), (_draining, E.WITHDRAWN): _R(None, (F.DROP,)),
-                  (_draining, E.HEARTBEAT): _R(None, (F.DROP,)), (_draining, E.REGISTRATION): _R(None, (F.DROP,))})
+    TABLE.update({(_draining, E.ABORT): Rule(None), (_draining, E.WITHDRAWN): Rule(None, (F.DROP,)),
+                  (_draining, E.HEARTBEAT): Rule(None, (F.DROP,)), (_draining, E.REGISTRATION): Rule(None, (F.DROP,))})
 for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLED, F.NOTIFY_CANCEL_ACK)):
     TABLE.update({
         # A registration or cancel after the end gets the same verdict again, so D never waits.
-        (_end, E.REGISTRATION): _R(None, (_answer,)),
-        (_end, E.CANCEL): _R(None, (_answer,)),
-        (_end, E.KV_READY): _R(None, (F.FREE_LATE_BLOCKS,)),  # e.g. D cancelled before prefill ended
-        (_end, E.HEARTBEAT): _R(None, (F.DROP,)),
-        (_end, E.ABORT): _R(None, (F.DROP,)),
-        (_end, E.SUPERSEDED): _R(None),
-        (_end, E.WITHDRAWN): _R(None),
+        (_end, E.REGISTRATION): Rule(None, (_answer,)),
+        (_end, E.CANCEL): Rule(None, (_answer,)),
+        (_end, E.KV_READY): Rule(None, (F.FREE_LATE_BLOCKS,)),  # e.g. D cancelled before prefill ended
+        (_end, E.HEARTBEAT): Rule(None, (F.DROP,)),
+        (_end, E.ABORT): Rule(None, (F.DROP,)),
+        (_end, E.SUPERSEDED): Rule(None),
+        (_end, E.WITHDRAWN): Rule(None),
         # A completion racing our own abort of the write (ABORT_WRITE on expiry).
-        (_end, E.WRITE_DONE): _R(None, (F.DROP,)),
-        (_end, E.WRITE_FAILED): _R(None, (F.DROP,)),
+        (_end, E.WRITE_DONE): Rule(None, (F.DROP,)),
+        (_end, E.WRITE_FAILED): Rule(None, (F.DROP,)),
     })
 
 
@@ -172,13 +172,13 @@ class ProducerTransfer(Entry[PState]):
     planned: tuple[Registration, tuple[int, ...], WritePlan] | None = None  # kv_coming's: for which registration and blocks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProducerTimeouts:
-    lease_s: float = 30.0
-    max_write_s: float = 30.0
-    watchdog_s: float = 120.0  # caps how long a registration can keep us waiting
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
+    lease_s: float = DEFAULTS.lease_s
+    max_write_s: float = DEFAULTS.max_write_s
+    watchdog_s: float = DEFAULTS.watchdog_s  # caps how long a registration can keep us waiting
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
 
 
 class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):

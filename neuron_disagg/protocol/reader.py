@@ -8,7 +8,7 @@ cannot cancel an RDMA op in flight), so D's blocks stay out of vLLM's hands unti
 or until a second ``max_read_s`` has passed; only then does D tell P. As in push, D probes the P
 ranks it reads from (``liveness.py``): when one is gone, the request goes on at once without the KV
 (``Quarantine``) and the blocks wait for the READ's end as before. Every transition is in
-``READER_TABLE``; the core does no I/O and is called only by D's pull reader thread.
+``TABLE``; the core does no I/O and is called only by D's pull reader thread.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .errors import PlanError
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, clock_behind_reason, refuse_late_allocation
 from .messages import PullOffer, RankRegions, ReadDone, ReadFailed, TransferId
 from .plan import WritePlan, plan_rank_write, writer_ranks
+from .timeouts import DEFAULTS
 
 
 class RState(enum.Enum):
@@ -52,6 +53,7 @@ class REvent(enum.Enum):
 
 class REffect(enum.Enum):
     ARM_OFFER = "deadline := the offer's expiry"
+    KEEP_OFFER = "remember the offer, to tell P (no deadline: the transfer has ended)"
     SUBMIT_READ = "plan and post the READs; deadline := now + max_read_s"
     DRAIN = "deadline := the READ's deadline + max_read_s"
     ABORT_READ = "release in-flight READs"
@@ -65,64 +67,65 @@ class REffect(enum.Enum):
     DROP = "count"
 
 
-_R, _RE, _RF = RState, REvent, REffect
+S, E, F = RState, REvent, REffect
 TIMED_OUT = "read did not finish within max_read_s"
-READER_TABLE: dict[tuple[RState, REvent], Rule] = {
-    (_R.NEW, _RE.OFFER): Rule(_R.WAITING, (_RF.ARM_OFFER,)),
-    (_R.NEW, _RE.SUPERSEDED): Rule(_R.CANCELLED),
-    (_R.NEW, _RE.CLOCK_BEHIND): Rule(_R.FAILED, (_RF.ARM_OFFER, _RF.TELL_P_FAILED, _RF.FAIL)),
-    (_R.WAITING, _RE.ALLOCATED): Rule(_R.READING, (_RF.SUBMIT_READ,)),
-    (_R.WAITING, _RE.ABORT): Rule(_R.CANCELLED, (_RF.TELL_P_FAILED,)),
-    (_R.WAITING, _RE.SUPERSEDED): Rule(_R.CANCELLED, (_RF.TELL_P_FAILED,), "superseded by a newer attempt"),
-    (_R.WAITING, _RE.EXPIRED): Rule(
-        _R.FAILED, (_RF.TELL_P_FAILED, _RF.FAIL), "prefill's offer expired before decode allocated blocks"),
-    (_R.READING, _RE.READ_DONE): Rule(_R.DONE, (_RF.FINISH_LOAD,)),  # ReadDone rode on the READ
+TABLE: dict[tuple[RState, REvent], Rule] = {
+    (S.NEW, E.OFFER): Rule(S.WAITING, (F.ARM_OFFER,)),
+    (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED),
+    # Not ARM_OFFER: a deadline on an ended transfer would fire EXPIRED, which no ended state takes.
+    (S.NEW, E.CLOCK_BEHIND): Rule(S.FAILED, (F.KEEP_OFFER, F.TELL_P_FAILED, F.FAIL)),
+    (S.WAITING, E.ALLOCATED): Rule(S.READING, (F.SUBMIT_READ,)),
+    (S.WAITING, E.ABORT): Rule(S.CANCELLED, (F.TELL_P_FAILED,)),
+    (S.WAITING, E.SUPERSEDED): Rule(S.CANCELLED, (F.TELL_P_FAILED,), "superseded by a newer attempt"),
+    (S.WAITING, E.EXPIRED): Rule(
+        S.FAILED, (F.TELL_P_FAILED, F.FAIL), "prefill's offer expired before decode allocated blocks"),
+    (S.READING, E.READ_DONE): Rule(S.DONE, (F.FINISH_LOAD,)),  # ReadDone rode on the READ
     # FAIL before FREE_BLOCKS: the worker ends the transfer when its blocks are freed and reports
     # it to vLLM then, as loaded unless it already knows the load failed (consumer.py does the same).
-    (_R.READING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.READING, _RE.EXPIRED): Rule(_R.DRAINING, (_RF.DRAIN,), TIMED_OUT),
-    (_R.READING, _RE.ABORT): Rule(_R.ABORTING, (_RF.DRAIN,)),
-    (_R.READING, _RE.SUPERSEDED): Rule(_R.ABORTING, (_RF.DRAIN,)),
+    (S.READING, E.READ_FAILED): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.READING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
+    (S.READING, E.ABORT): Rule(S.ABORTING, (F.DRAIN,)),
+    (S.READING, E.SUPERSEDED): Rule(S.ABORTING, (F.DRAIN,)),
     # Even a READ that completes now is not trusted: P's lease may have ended while it ran.
-    (_R.DRAINING, _RE.READ_DONE): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
-    (_R.DRAINING, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
-    (_R.DRAINING, _RE.EXPIRED): Rule(
-        _R.FAILED, (_RF.ABORT_READ, _RF.FAIL, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED), TIMED_OUT),
-    (_R.DRAINING, _RE.ABORT): Rule(_R.ABORTING),
-    (_R.DRAINING, _RE.SUPERSEDED): Rule(_R.ABORTING),
-    (_R.DRAINING, _RE.OFFER): Rule(None, (_RF.DROP,)),
-    (_R.ABORTING, _RE.READ_DONE): Rule(_R.CANCELLED, (_RF.FREE_BLOCKS,)),
-    (_R.ABORTING, _RE.READ_FAILED): Rule(_R.CANCELLED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.ABORTING, _RE.EXPIRED): Rule(_R.CANCELLED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.ABORTING, _RE.ABORT): Rule(None, (_RF.DROP,)),
-    (_R.ABORTING, _RE.SUPERSEDED): Rule(None),
-    (_R.WAITING, _RE.OFFER): Rule(None, (_RF.DROP,)),
-    (_R.READING, _RE.OFFER): Rule(None, (_RF.DROP,)),
+    (S.DRAINING, E.READ_DONE): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS, F.TELL_P_FAILED), TIMED_OUT),
+    (S.DRAINING, E.READ_FAILED): Rule(S.FAILED, (F.FAIL, F.FREE_BLOCKS, F.TELL_P_FAILED), TIMED_OUT),
+    (S.DRAINING, E.EXPIRED): Rule(
+        S.FAILED, (F.ABORT_READ, F.FAIL, F.FREE_BLOCKS, F.TELL_P_FAILED), TIMED_OUT),
+    (S.DRAINING, E.ABORT): Rule(S.ABORTING),
+    (S.DRAINING, E.SUPERSEDED): Rule(S.ABORTING),
+    (S.DRAINING, E.OFFER): Rule(None, (F.DROP,)),
+    (S.ABORTING, E.READ_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.ABORTING, E.READ_FAILED): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.ABORTING, E.EXPIRED): Rule(S.CANCELLED, (F.ABORT_READ, F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.ABORTING, E.ABORT): Rule(None, (F.DROP,)),
+    (S.ABORTING, E.SUPERSEDED): Rule(None),
+    (S.WAITING, E.OFFER): Rule(None, (F.DROP,)),
+    (S.READING, E.OFFER): Rule(None, (F.DROP,)),
     # -- a P rank we wait on is gone: recover now, hold the blocks until the READ is over ------
-    (_R.WAITING, _RE.SUSPECTED): Rule(_R.FAILED, (_RF.TELL_P_FAILED, _RF.FAIL)),
-    (_R.READING, _RE.SUSPECTED): Rule(_R.QUARANTINED, (_RF.DRAIN, _RF.QUARANTINE)),
-    (_R.DRAINING, _RE.SUSPECTED): Rule(_R.QUARANTINED, (_RF.QUARANTINE,)),
-    (_R.QUARANTINED, _RE.READ_DONE): Rule(_R.FAILED, (_RF.COUNT_LATE_LANDING, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.QUARANTINED, _RE.READ_FAILED): Rule(_R.FAILED, (_RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.QUARANTINED, _RE.EXPIRED): Rule(_R.FAILED, (_RF.ABORT_READ, _RF.FREE_BLOCKS, _RF.TELL_P_FAILED)),
-    (_R.QUARANTINED, _RE.ABORT): Rule(None, (_RF.DROP,)),
-    (_R.QUARANTINED, _RE.SUPERSEDED): Rule(None),
-    (_R.QUARANTINED, _RE.OFFER): Rule(None, (_RF.DROP,)),
+    (S.WAITING, E.SUSPECTED): Rule(S.FAILED, (F.TELL_P_FAILED, F.FAIL)),
+    (S.READING, E.SUSPECTED): Rule(S.QUARANTINED, (F.DRAIN, F.QUARANTINE)),
+    (S.DRAINING, E.SUSPECTED): Rule(S.QUARANTINED, (F.QUARANTINE,)),
+    (S.QUARANTINED, E.READ_DONE): Rule(S.FAILED, (F.COUNT_LATE_LANDING, F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.QUARANTINED, E.READ_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.QUARANTINED, E.EXPIRED): Rule(S.FAILED, (F.ABORT_READ, F.FREE_BLOCKS, F.TELL_P_FAILED)),
+    (S.QUARANTINED, E.ABORT): Rule(None, (F.DROP,)),
+    (S.QUARANTINED, E.SUPERSEDED): Rule(None),
+    (S.QUARANTINED, E.OFFER): Rule(None, (F.DROP,)),
 }
-for _end in (_R.DONE, _R.FAILED, _R.CANCELLED):
-    READER_TABLE.update({(_end, e): Rule(None, (_RF.DROP,)) for e in (_RE.OFFER, _RE.ABORT, _RE.READ_DONE, _RE.READ_FAILED)})
-    READER_TABLE[(_end, _RE.SUPERSEDED)] = Rule(None)
+for _end in (S.DONE, S.FAILED, S.CANCELLED):
+    TABLE.update({(_end, e): Rule(None, (F.DROP,)) for e in (E.OFFER, E.ABORT, E.READ_DONE, E.READ_FAILED)})
+    TABLE[(_end, E.SUPERSEDED)] = Rule(None)
     # e.g. the offer lapsed, or a request of the same prompt and kv_transfer_params came after
     # this transfer ended: nothing will fill these blocks, so the load fails (D computes it).
-    READER_TABLE[(_end, _RE.ALLOCATED)] = Rule(None, (_RF.FAIL, _RF.FREE_LATE_BLOCKS), LATE_ALLOCATION)
+    TABLE[(_end, E.ALLOCATED)] = Rule(None, (F.FAIL, F.FREE_LATE_BLOCKS), LATE_ALLOCATION)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReaderTimeouts:
-    max_read_s: float = 30.0  # give up on a READ that takes longer; its blocks wait as long again for it
-    clock_skew_allowance_s: float = 1.0
-    tombstone_s: float = 600.0
-    suspect_after_s: float = 3.0
+    max_read_s: float = DEFAULTS.max_read_s  # give up on a READ that takes longer; its blocks wait as long again for it
+    clock_skew_allowance_s: float = DEFAULTS.clock_skew_allowance_s
+    tombstone_s: float = DEFAULTS.tombstone_s
+    suspect_after_s: float = DEFAULTS.suspect_after_s
 
 
 @dataclass
@@ -136,7 +139,7 @@ class Read(Entry[RState]):
 class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     """D rank side of pull mode; called by D's pull reader thread."""
 
-    TABLE, NEW, TERMINAL = READER_TABLE, RState.NEW, frozenset({RState.DONE, RState.FAILED, RState.CANCELLED})
+    TABLE, NEW, TERMINAL = TABLE, RState.NEW, frozenset({RState.DONE, RState.FAILED, RState.CANCELLED})
     EXPIRED, SUPERSEDED, SUSPECTED = REvent.EXPIRED, REvent.SUPERSEDED, REvent.SUSPECTED
 
     def __init__(self, tp_rank: int, tp_size: int, timeouts: ReaderTimeouts = ReaderTimeouts(),
@@ -227,6 +230,8 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         tid = entry.transfer_id
         if effect is REffect.ARM_OFFER:
             entry.offer, entry.deadline = step.payload, step.payload.expires_at
+        elif effect is REffect.KEEP_OFFER:
+            entry.offer = step.payload
         elif effect is REffect.SUBMIT_READ:
             entry.local, entry.block_ids, entry.first_block_index = step.payload
             try:

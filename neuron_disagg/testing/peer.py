@@ -76,11 +76,12 @@ class Peer:
         self.regions = rank_regions(shape, args.blocks, rank, layout_tp, base_addr=self.buffer.ctypes.data)
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         timeouts = RankTimeouts(
-            producer=ProducerTimeouts(args.lease_s, args.max_write_s, args.watchdog_s, 0.2, 60),
+            producer=ProducerTimeouts(lease_s=args.lease_s, max_write_s=args.max_write_s, watchdog_s=args.watchdog_s,
+                                      clock_skew_allowance_s=0.2, tombstone_s=60),
             consumer=ConsumerTimeouts(watchdog_s=args.watchdog_s, admission_timeout_s=args.admission_s,
                                       heartbeat_interval_s=args.heartbeat_s, max_write_s=args.max_write_s,
                                       clock_skew_allowance_s=0.2, tombstone_s=60, suspect_after_s=args.suspect_after_s),
-            lender=LenderTimeouts(args.max_write_s, 0.2),
+            lender=LenderTimeouts(max_read_s=args.max_write_s, clock_skew_allowance_s=0.2),
             reader=ReaderTimeouts(max_read_s=args.max_write_s, suspect_after_s=args.suspect_after_s))
         self.rank = Rank(
             args.role, rank, tp, self.regions, codec=self.codec, agent_name=self.agent,

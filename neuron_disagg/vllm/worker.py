@@ -89,8 +89,8 @@ class WorkerSide:
         self.rank = Rank(
             self.role, self.tp_rank, self.tp_size, regions, codec=self.codec, agent_name=self.agent_name,
             side_channel_host=c.side_channel_host, side_channel_port=c.side_channel_port, advertised=self.address,
-            timeouts=RankTimeouts(c.producer_timeouts(), c.consumer_timeouts(), c.lender_timeouts(),
-                                  c.reader_timeouts()),
+            timeouts=RankTimeouts(producer=c.producer_timeouts(), consumer=c.consumer_timeouts(),
+                                  lender=c.lender_timeouts(), reader=c.reader_timeouts()),
             backend=backend, memory_type=platform.memory_type, total_heads=self.total_heads, staging=staging,
             timeline=Timeline(c.timeline_dir, f"{self.role}-rank{self.tp_rank}")).start()
         self.rank_regions = RankRegions(self.tp_rank, self.agent_name, regions)

@@ -8,8 +8,9 @@ from neuron_disagg.protocol import FailTransfer, FinishLoad, FreeBlocks, RankReg
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions
 from neuron_disagg.protocol.messages import PullOffer, ReadDone, ReadFailed
 from neuron_disagg.protocol.actions import AbortRead, Quarantine, SubmitRead
-from neuron_disagg.protocol.lender import LENDER_TABLE, LenderCore, LenderTimeouts, LEvent, LState
-from neuron_disagg.protocol.reader import READER_TABLE, ReaderCore, ReaderTimeouts, REffect, REvent, RState
+from neuron_disagg.protocol import lender as lending, reader as reading
+from neuron_disagg.protocol.lender import LenderCore, LenderTimeouts, LEvent, LState
+from neuron_disagg.protocol.reader import ReaderCore, ReaderTimeouts, REffect, REvent, RState
 
 REGIONS = rank_regions(ModelShape(2, 2, 8, 2, 4), 16)
 TID = TransferId("req")
@@ -48,10 +49,10 @@ L_EVENTS = {
 }
 
 
-@pytest.mark.parametrize("state,event", sorted(LENDER_TABLE, key=lambda k: (k[0].value, k[1].value)),
+@pytest.mark.parametrize("state,event", sorted(lending.TABLE, key=lambda k: (k[0].value, k[1].value)),
                          ids=lambda v: v.name)
 def test_every_lender_row(state, event):
-    rule = LENDER_TABLE[(state, event)]
+    rule = lending.TABLE[(state, event)]
     c = lender()
     for step in L_PATHS[state]:
         step(c)
@@ -143,10 +144,10 @@ R_ACTIONS = {REffect.SUBMIT_READ: SubmitRead, REffect.ABORT_READ: AbortRead, REf
              REffect.FREE_LATE_BLOCKS: FreeBlocks, REffect.QUARANTINE: Quarantine}
 
 
-@pytest.mark.parametrize("state,event", sorted(READER_TABLE, key=lambda k: (k[0].value, k[1].value)),
+@pytest.mark.parametrize("state,event", sorted(reading.TABLE, key=lambda k: (k[0].value, k[1].value)),
                          ids=lambda v: v.name)
 def test_every_reader_row(state, event):
-    rule = READER_TABLE[(state, event)]
+    rule = reading.TABLE[(state, event)]
     c = reader()
     for step in R_PATHS[state]:
         step(c)
@@ -273,3 +274,11 @@ def test_a_read_from_a_prefill_that_is_gone_recovers_now_and_holds_its_blocks_un
     assert not [a for a in c.tick(4.9) if isinstance(a, FreeBlocks)]
     actions = c.tick(5.0)
     assert AbortRead(TID) in actions and FreeBlocks(TID, D_BLOCKS) in actions
+
+
+def test_an_offer_refused_for_clock_skew_leaves_no_deadline_to_fire_on_the_ended_transfer():
+    c = ReaderCore(0, 1, ReaderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5), strict=True)
+    c.offered(msgspec.structs.replace(offer(expires_at=13.0), sent_at=10.0), 0)  # sent from 10 s in our future
+    assert c.state_of(TID) is RState.FAILED
+    c.tick(20)  # past the offer's expiry: strict, so an EXPIRED with no row would raise
+    assert not [k for k in c.counters if k.startswith("undefined")]
