@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +43,7 @@ def planes(tensor, logical: tuple[str, ...], kernel_block: int) -> list:
 MAX_POSITIONS = 512  # a request's tokens: SRC_BLOCKS of up to 128 tokens each
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _head(layer: int, head: int, width: int, dtype) -> torch.Tensor:
     """One head's KV at every position: random, the same whichever rank fills or checks it."""
     gen = torch.Generator().manual_seed(1000 + 1000 * layer + head)

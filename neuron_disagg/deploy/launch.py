@@ -20,7 +20,8 @@ they run); one made inside a cluster placement group is launched into that group
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from . import (ami, cost, instance_profile, network, preflight, quotas, reservations, secret_parameter, sizing,
                user_data)

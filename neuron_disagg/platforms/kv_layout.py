@@ -13,7 +13,8 @@ What cannot be described is refused at startup with the reason and the setting t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from ..protocol.errors import PlanError
 from ..protocol.messages import Region

@@ -40,10 +40,10 @@ class TransferId(msgspec.Struct, frozen=True, array_like=True):
         """What the attempts of one transfer share: a newer attempt supersedes the older ones."""
         return (self.request, self.prompt)
 
-    def supersedes(self, other: "TransferId") -> bool:
+    def supersedes(self, other: TransferId) -> bool:
         return self.lineage == other.lineage and self.attempt > other.attempt
 
-    def router_attempt(self) -> "TransferId":
+    def router_attempt(self) -> TransferId:
         """The router's transfer id this one belongs to (itself, for one of the router's own)."""
         return TransferId(self.request, self.attempt)
 

@@ -12,7 +12,7 @@ in the same non-ascending order (vLLM's free queue, once a pool has gone round) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

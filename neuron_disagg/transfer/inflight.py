@@ -21,7 +21,8 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..protocol.messages import TransferId
 from ..protocol.plan import RankWrite

@@ -21,7 +21,8 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.lender import LenderCore, LenderTimeouts
@@ -161,7 +162,7 @@ class Rank:
             thread.deliver(message)
         return None
 
-    def start(self) -> "Rank":
+    def start(self) -> Rank:
         self.server.start()
         self.push.start()
         self.pull.start()

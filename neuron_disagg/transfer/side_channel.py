@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from ..protocol.errors import MessageError, OversizeMessage
 from ..protocol.messages import Message
@@ -109,7 +109,7 @@ class SideChannelServer:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"neuron-disagg-{name}", daemon=True)
 
-    def start(self) -> "SideChannelServer":
+    def start(self) -> SideChannelServer:
         self._thread.start()
         return self
 

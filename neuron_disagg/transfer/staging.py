@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections import deque
 from msgspec.structs import replace
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..protocol.messages import Region, TransferId
 

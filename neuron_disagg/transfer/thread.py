@@ -28,7 +28,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..protocol.actions import ProbePeer, SendMessage, Transitioned
 from ..protocol.machine import StateMachine

@@ -26,7 +26,8 @@ import importlib.metadata
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -177,7 +178,7 @@ class Transport(abc.ABC):
 class InMemoryTransport(Transport):
     """Agents in one process; addresses are real process addresses (e.g. numpy buffers)."""
 
-    _agents: dict[str, "InMemoryTransport"] = {}
+    _agents: dict[str, InMemoryTransport] = {}
     _lock = threading.Lock()
 
     def __init__(self, name: str, backend: str = "memory", memory_type: str = "DRAM"):
@@ -190,7 +191,7 @@ class InMemoryTransport(Transport):
         # Tests: transfers to these peers stay in progress until ``land_stalled``, and releasing
         # one does not stop it — as with an RDMA operation in flight.
         self.stall_posts_to: set[str] = set()
-        self._stalled: list[tuple[RankWrite, "InMemoryTransport", bytes, list[bool]]] = []
+        self._stalled: list[tuple[RankWrite, InMemoryTransport, bytes, list[bool]]] = []
         self.prepared_live: set[Prepared] = set()  # built, neither started nor discarded: for tests
         with self._lock:
             self._agents[name] = self
@@ -246,7 +247,7 @@ class InMemoryTransport(Transport):
         self._land(write, target, notification)
         return [True]
 
-    def _land(self, write: RankWrite, target: "InMemoryTransport", notification: bytes) -> None:
+    def _land(self, write: RankWrite, target: InMemoryTransport, notification: bytes) -> None:
         for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
