@@ -139,8 +139,10 @@ class PushWriter(TransferThread):
         try:
             self.staging.take(tid, blocks, copy)
         except ValueError as exc:
+            # the reason is taken now: Python unbinds `exc` when the except block ends, and _then runs later
+            reason = str(exc)
             self.outbox.put(Freed(tid, blocks))
-            self._then(lambda: self.core.abort(tid, str(exc), time.time()))
+            self._then(lambda: self.core.abort(tid, reason, time.time()))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         if self.staging is None:
