@@ -97,7 +97,7 @@ class Instance:
         except OSError:
             return "(no log)"
         errors = [line for line in log[:-lines] if re.search(r"Error|Exception|error:", line)]
-        head = ["(error lines from earlier in %s)" % self.log_path, *errors[-20:], "(last lines)"] if errors else []
+        head = [f"(error lines from earlier in {self.log_path})", *errors[-20:], "(last lines)"] if errors else []
         return "\n".join(head + log[-lines:])
 
     def kill(self) -> None:

@@ -64,7 +64,7 @@ def fill(caches: dict, logical, block_tokens: int, kernel_tokens: int, heads: ra
                 start = i * block_tokens + j * kernel_tokens
                 width = sum(v.shape[-1] for v in views)
                 content = expected(layer, heads, range(start, start + kernel_tokens), width, tensor.dtype)
-                for view, part in zip(views, content.split(views[0].shape[-1], dim=-1)):
+                for view, part in zip(views, content.split(views[0].shape[-1], dim=-1), strict=True):
                     view.copy_(part)
 
 
@@ -88,7 +88,7 @@ def move(plan) -> dict[int, int]:
     """Carry out a plan with memmove (every address is this process's memory); bytes per D rank."""
     written: dict[int, int] = {}
     for write in plan.writes:
-        for src, dst, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+        for src, dst, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
             ctypes.memmove(dst, src, n)
         written[write.d_rank] = written.get(write.d_rank, 0) + write.bytes
     return written

@@ -14,8 +14,6 @@ Encoding, signing and the checks on decode live in ``wire.py``.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 
@@ -256,7 +254,7 @@ class Alive(msgspec.Struct, frozen=True, tag="alive"):
     incarnation: str
 
 
-Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
-                CancelAck, AgentInfoRequest, AgentInfo, Withdraw, Probe, Alive]
-ToProducer = Union[Registration, Heartbeat, Cancel]
-ToConsumer = Union[WriteDone, WriteFailed, CancelAck]
+Message = (PullOffer | ReadDone | ReadFailed | Registration | Heartbeat | Cancel | WriteDone | WriteStarting | WriteFailed
+           | CancelAck | AgentInfoRequest | AgentInfo | Withdraw | Probe | Alive)
+ToProducer = Registration | Heartbeat | Cancel
+ToConsumer = WriteDone | WriteFailed | CancelAck

@@ -240,7 +240,7 @@ def plan_rank_write(
         n = np.tile(run, len(pairs))
         unmerged += len(pairs) * len(src_blocks) * len(pat_len)
         parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1)))
-    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts))
+    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts, strict=True))
     return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged)
 
 

@@ -185,7 +185,7 @@ class PullLender(TransferThread):
         self.failures[action.reason.split(":")[0]] += 1
 
     def _poll(self) -> None:
-        for sender, frame in self.transport.notifications():
+        for _sender, frame in self.transport.notifications():
             try:
                 message = self.codec.decode(frame)
             except MessageError as exc:

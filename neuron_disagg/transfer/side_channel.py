@@ -98,7 +98,8 @@ class SideChannelServer:
                                    "set side_channel_port in the config to a free port (each TP rank "
                                    "uses port + rank)") from e
         self._sock.setblocking(False)
-        self.address = "%s:%d" % self._sock.getsockname()[:2]
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.address = f"{bound_host}:{bound_port}"
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)

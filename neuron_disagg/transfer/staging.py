@@ -37,7 +37,7 @@ class HostStaging:
         self._views = list(rows)
         self._host = [torch.zeros((self.slots, row.shape[1]), dtype=torch.uint8) for row in rows]
         self.regions = tuple(replace(r, base_addr=h.data_ptr(), num_blocks=self.slots,
-                                     block_stride_bytes=h.shape[1]) for r, h in zip(regions, self._host))
+                                     block_stride_bytes=h.shape[1]) for r, h in zip(regions, self._host, strict=True))
         self._free: deque[int] = deque(range(self.slots))
         # transfer -> (the engine's blocks, what to call with the slots), first come first served
         self._waiting: dict[TransferId, tuple[tuple[int, ...], Callable[[tuple[int, ...]], None]]] = {}
@@ -99,7 +99,7 @@ class HostStaging:
     def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Device blocks -> host slots."""
         runs = _runs(blocks, slots)
-        for view, host in zip(self._views, self._host):
+        for view, host in zip(self._views, self._host, strict=True):
             if len(runs) <= _MAX_RUNS:
                 for block, slot, n in runs:
                     host[slot:slot + n].copy_(view[block:block + n])
@@ -111,7 +111,7 @@ class HostStaging:
     def to_device(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Host slots -> device blocks."""
         runs = _runs(blocks, slots)
-        for view, host in zip(self._views, self._host):
+        for view, host in zip(self._views, self._host, strict=True):
             if len(runs) <= _MAX_RUNS:
                 for block, slot, n in runs:
                     view[block:block + n].copy_(host[slot:slot + n])
@@ -127,7 +127,7 @@ _MAX_RUNS = 16
 def _runs(blocks: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first block, first slot, length) of each stretch where both go up by one."""
     runs: list[list[int]] = []
-    for block, slot in zip(blocks, slots):
+    for block, slot in zip(blocks, slots, strict=True):
         if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
             runs[-1][2] += 1
         else:

@@ -170,7 +170,7 @@ class Transport(abc.ABC):
         peer is forgotten. Call only with nothing in flight."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset its agent")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook, not abstract: a transport holding nothing keeps this no-op)
         pass
 
 
@@ -248,7 +248,7 @@ class InMemoryTransport(Transport):
         return [True]
 
     def _land(self, write: RankWrite, target: InMemoryTransport, notification: bytes) -> None:
-        for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+        for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
             target._inbox.append((self.name, notification))
