@@ -53,7 +53,7 @@ class _Batch:
 
 class InFlight:
     def __init__(self, transport: Transport, peers: Peers,
-                 on_peer_ready: Callable[[str, str | None], None], stats: Counter):
+                 on_peer_ready: Callable[[str, str | None], None], stats: Counter[str]):
         self.transport, self.peers = transport, peers
         self.on_peer_ready = on_peer_ready
         self.stats = stats

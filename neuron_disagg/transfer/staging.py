@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from collections import deque
 from msgspec.structs import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
 from ..protocol.messages import Region, TransferId
+
+if TYPE_CHECKING:  # imported where used: this module loads without torch
+    import torch
 
 
 class HostStaging:
@@ -132,16 +135,16 @@ def _runs(blocks: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, i
             runs[-1][2] += 1
         else:
             runs.append([block, slot, 1])
-    return [tuple(run) for run in runs]
+    return [(block, slot, n) for block, slot, n in runs]
 
 
-def _index(ids: Sequence[int], device=None):
+def _index(ids: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
     import torch
 
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
-def _words(rows):
+def _words(rows: torch.Tensor) -> torch.Tensor:
     """Byte rows as 8-byte words where their width, stride and start allow it (torch's CPU index
     kernels go element by element: bf16 rows moved at 0.3 GiB/s here, int64 rows at 2)."""
     import torch
