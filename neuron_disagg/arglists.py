@@ -4,7 +4,7 @@ shared by `neuron-disagg bench` and `neuron-disagg simulate`."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 
 def positive_list(kind: type, what: str) -> Callable[[str], list]:

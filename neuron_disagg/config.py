@@ -100,7 +100,7 @@ class Config(BaseModel):
                                       "TTFT breakdown of the demo and the benchmark); off when unset")
 
     @model_validator(mode="after")
-    def _heartbeats_fit_in_lease(self) -> "Config":
+    def _heartbeats_fit_in_lease(self) -> Config:
         if self.heartbeat_interval_s * 2 > self.lease_s:
             raise ValueError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most half of "
@@ -110,7 +110,7 @@ class Config(BaseModel):
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_mapping(cls, values: dict[str, Any] | None, source: str = "config") -> "Config":
+    def from_mapping(cls, values: dict[str, Any] | None, source: str = "config") -> Config:
         try:
             return cls.model_validate(values or {})
         except ValidationError as exc:
@@ -122,7 +122,7 @@ class Config(BaseModel):
             raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "Config":
+    def from_yaml(cls, path: str | os.PathLike) -> Config:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as exc:
@@ -154,7 +154,7 @@ class Config(BaseModel):
             )
         return secret
 
-    def params_signer(self) -> "ParamsSigner":
+    def params_signer(self) -> ParamsSigner:
         """Signs (router) and verifies (connector) kv_transfer_params under the deployment secret."""
         from .kv_params import ParamsSigner
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import httpx
 
@@ -63,7 +63,7 @@ class Instance:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "Instance":
+    def start(self) -> Instance:
         self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
         env = {**LOOPBACK_FABRIC, **os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
         self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
@@ -72,7 +72,7 @@ class Instance:
             os.sched_setaffinity(self.process.pid, _cores(self.cpu))
         return self
 
-    def wait_ready(self, timeout_s: float = 300) -> "Instance":
+    def wait_ready(self, timeout_s: float = 300) -> Instance:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -97,7 +97,7 @@ class Instance:
         except OSError:
             return "(no log)"
         errors = [line for line in log[:-lines] if re.search(r"Error|Exception|error:", line)]
-        head = ["(error lines from earlier in %s)" % self.log_path, *errors[-20:], "(last lines)"] if errors else []
+        head = [f"(error lines from earlier in {self.log_path})", *errors[-20:], "(last lines)"] if errors else []
         return "\n".join(head + log[-lines:])
 
     def kill(self) -> None:
@@ -185,7 +185,7 @@ class RayServeInstance(Instance):
 
     metrics_port: int = 0  # where Ray exports every replica's metrics
 
-    def wait_ready(self, timeout_s: float = 600) -> "RayServeInstance":
+    def wait_ready(self, timeout_s: float = 600) -> RayServeInstance:
         return super().wait_ready(timeout_s)
 
     def ready(self) -> bool:

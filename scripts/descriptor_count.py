@@ -50,7 +50,7 @@ def counts(src: list[int], dst: list[int]) -> tuple[int, int]:
     """(token-order, source-order) descriptors of one transfer."""
     reg = Registration(TransferId("r"), "d", "d", "d:1", 1, (RankRegions(0, "d0", REGIONS),), tuple(dst), 0, 1e9)
     unmerged = plan_write(REGIONS, 0, 1, reg, src, merge=False).writes[0]  # region by region, token order
-    rows = zip(*(a.reshape(len(REGIONS), -1) for a in (unmerged.src_addr, unmerged.dst_addr, unmerged.length)))
+    rows = zip(*(a.reshape(len(REGIONS), -1) for a in (unmerged.src_addr, unmerged.dst_addr, unmerged.length)), strict=True)
     return sum(len(merge_runs(*row)[2]) for row in rows), plan_write(REGIONS, 0, 1, reg, src).descriptor_count
 
 
@@ -121,7 +121,7 @@ def simulate(seed: int, fifo: bool, loaded: int = 96) -> list[tuple[int, int]]:
                         at(t, "arrive", reqs[churned + 3])
                     elif r.churn and churned == n_churn:  # then the load: Poisson, P 80% busy
                         gaps = rng.exponential(PREFILL_MS / SEED.p_busy[0], loaded)
-                        for r2, when in zip(reqs[n_churn:], t + np.cumsum(gaps)):
+                        for r2, when in zip(reqs[n_churn:], t + np.cumsum(gaps), strict=True):
                             at(float(when), "arrive", r2)
             if decoding:
                 wake("d", t + DECODE_STEP_MS)

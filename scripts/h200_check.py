@@ -245,7 +245,7 @@ class Instances:
             register()
         events = [d("wait", within_s=60)["event"] for d in self.d]
         checks = [d("check", blocks=dst, seed=seed) for d in self.d]
-        return [{"event": e, **c} for e, c in zip(events, checks)]
+        return [{"event": e, **c} for e, c in zip(events, checks, strict=True)]
 
     def stop(self):
         for rank in self.p + self.d:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +43,7 @@ def planes(tensor, logical: tuple[str, ...], kernel_block: int) -> list:
 MAX_POSITIONS = 512  # a request's tokens: SRC_BLOCKS of up to 128 tokens each
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _head(layer: int, head: int, width: int, dtype) -> torch.Tensor:
     """One head's KV at every position: random, the same whichever rank fills or checks it."""
     gen = torch.Generator().manual_seed(1000 + 1000 * layer + head)
@@ -64,7 +64,7 @@ def fill(caches: dict, logical, block_tokens: int, kernel_tokens: int, heads: ra
                 start = i * block_tokens + j * kernel_tokens
                 width = sum(v.shape[-1] for v in views)
                 content = expected(layer, heads, range(start, start + kernel_tokens), width, tensor.dtype)
-                for view, part in zip(views, content.split(views[0].shape[-1], dim=-1)):
+                for view, part in zip(views, content.split(views[0].shape[-1], dim=-1), strict=True):
                     view.copy_(part)
 
 
@@ -88,7 +88,7 @@ def move(plan) -> dict[int, int]:
     """Carry out a plan with memmove (every address is this process's memory); bytes per D rank."""
     written: dict[int, int] = {}
     for write in plan.writes:
-        for src, dst, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+        for src, dst, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
             ctypes.memmove(dst, src, n)
         written[write.d_rank] = written.get(write.d_rank, 0) + write.bytes
     return written

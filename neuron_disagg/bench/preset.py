@@ -15,7 +15,7 @@ point, what was measured against what was asked. Pure functions: nothing here st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from .load import RunResult
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from .. import timeline
 from .load import RunResult
@@ -216,7 +216,7 @@ def plots(results: list[RunResult], out_dir: Path) -> list[Path]:
                 points = sorted((r.rate, getattr(r, key)) for r in results
                                 if r.mode == mode and r.input_len == input_len and getattr(r, key) is not None)
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=mode)
+                    ax.plot(*zip(*points, strict=True), marker="o", label=mode)
             ax.set(title=title, xlabel="request rate (req/s)")
             ax.grid(alpha=0.3)
         axes[0].legend()
@@ -235,7 +235,7 @@ def plots(results: list[RunResult], out_dir: Path) -> list[Path]:
         for segment in segments:
             values = [max(0.0, r.breakdown_ms.get(segment, 0.0)) for r in broken]
             ax.bar(labels, values, bottom=bottom, label=segment.replace("_", " "))
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         ax.set(title="TTFT breakdown, median per segment (ms)", ylabel="ms")
         ax.legend(fontsize=8)
         fig.tight_layout()

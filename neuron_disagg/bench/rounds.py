@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from contextlib import ExitStack
 from dataclasses import fields, replace
-from typing import Callable
+from collections.abc import Callable
 
 from .load import RunResult
 from .topology import Running, ServerSettings, started

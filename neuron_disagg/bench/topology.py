@@ -21,7 +21,7 @@ import secrets
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..local_cluster import (Instance, disaggregated, free_port, monolithic, ray_serve, reference,
                              reference_engine_id, router, stop_together)

@@ -93,7 +93,7 @@ def is_baked(cloud: Cloud, image_id: str) -> bool:
 def resolve(cloud: Cloud, platform: Platform, override: str | None = None, allow_stock: bool = False) -> tuple[str, str]:
     """(image id, where it came from). An image that is not a baked neuron-disagg AMI boots but never
     serves (the user data exits) while the instances bill: refused unless ``allow_stock``."""
-    refuse = (f"the instances would boot but not serve, billing all the while: the user data starts "
+    refuse = ("the instances would boot but not serve, billing all the while: the user data starts "
               "neuron-disagg's systemd units, which only a baked AMI has. Bake one with ami/build.sh "
               "(examples/README.md), or set allow_stock_ami: true to launch anyway (debugging an image)")
     if override:

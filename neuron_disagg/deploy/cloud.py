@@ -88,7 +88,7 @@ class Cloud:
         self._config = BotoConfig(retries={"mode": "standard", "max_attempts": 5})
 
     @classmethod
-    def connect(cls, region: str, session: boto3.Session | None = None, log: TextIO | None = None) -> "Cloud":
+    def connect(cls, region: str, session: boto3.Session | None = None, log: TextIO | None = None) -> Cloud:
         """A cloud for ``region`` whose credentials are known to exist (checked without a call)."""
         try:
             session = session or boto3.Session(region_name=region)

@@ -13,7 +13,7 @@ import json
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .cloud import Cloud
 from .errors import DeployError

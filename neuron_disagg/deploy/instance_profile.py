@@ -22,7 +22,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import urllib.parse
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from .cloud import Cloud
 from .errors import AwsCallFailed, DeploymentConfigError, PermissionDenied

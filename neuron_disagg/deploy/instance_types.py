@@ -29,7 +29,7 @@ class InstanceTypeInfo:
     vcpus: int | None = None  # what the account's On-Demand vCPU quota counts
 
     @classmethod
-    def from_api(cls, item: dict[str, Any]) -> "InstanceTypeInfo":
+    def from_api(cls, item: dict[str, Any]) -> InstanceTypeInfo:
         name = item["InstanceType"]
         platform: Platform | None = None
         if item.get("NeuronInfo", {}).get("NeuronDevices"):
@@ -52,7 +52,7 @@ class InstanceTypeInfo:
                    vcpus=item.get("VCpuInfo", {}).get("DefaultVCpus"))
 
     @classmethod
-    def unknown(cls, name: str) -> "InstanceTypeInfo":
+    def unknown(cls, name: str) -> InstanceTypeInfo:
         """A dry run's: no AWS call, so the layout is described and the accelerators come from the table
         below where the type is in it (a real launch reads them from AWS)."""
         guess: Platform | None = "neuron" if name.startswith(("trn", "inf")) else "cuda"

@@ -20,7 +20,8 @@ they run); one made inside a cluster placement group is launched into that group
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from . import (ami, cost, instance_profile, network, preflight, quotas, reservations, secret_parameter, sizing,
                user_data)
@@ -190,7 +191,7 @@ def launch(cloud: Cloud, deployment: DeploymentConfig,
                                 deadline_s=sizing.serving_deadline_s(deployment, types[group.instance_type].platform
                                                                      or "cuda"))
                for group in launches]
-    for group, script in zip(launches, scripts):
+    for group, script in zip(launches, scripts, strict=True):
         preflight.check_user_data(script, group.instance_type)
     members = [m for group in launches for m in group.members]
     preflight.check_tag_count(deployment, {m.name: instance_tags(deployment, m) for m in members},
@@ -214,7 +215,7 @@ def launch(cloud: Cloud, deployment: DeploymentConfig,
         result.secret_parameter = deployment.secret_parameter
 
     try:
-        for group, script in zip(launches, scripts):
+        for group, script in zip(launches, scripts, strict=True):
             info = types[group.instance_type]
             params = run_instances_params(deployment, group, info, images[info.platform], result.placement_group,
                                           groups, script, reserved.get(group.capacity_block_id or ""))

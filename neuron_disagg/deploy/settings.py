@@ -172,7 +172,7 @@ class DeploymentConfig(BaseModel):
         return name
 
     @model_validator(mode="after")
-    def _one_place_for_the_secret(self) -> "DeploymentConfig":
+    def _one_place_for_the_secret(self) -> DeploymentConfig:
         if self.secret_in_user_data and self.secret_ssm_parameter:
             raise ValueError("secret_in_user_data and secret_ssm_parameter contradict each other: the secret "
                              "goes either into user data or into the SSM parameter; drop one")
@@ -194,7 +194,7 @@ class DeploymentConfig(BaseModel):
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_mapping(cls, values: dict[str, Any], source: str = "deployment config") -> "DeploymentConfig":
+    def from_mapping(cls, values: dict[str, Any], source: str = "deployment config") -> DeploymentConfig:
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
@@ -206,7 +206,7 @@ class DeploymentConfig(BaseModel):
             raise DeploymentConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "DeploymentConfig":
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
         """Read ``path`` and apply ``overrides`` (dotted keys such as ``prefill.count``) on top."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}

@@ -7,7 +7,8 @@ still be computing the KV when the NIC reads it, and D decodes from half-written
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 
 class KVFence(Protocol):

@@ -13,7 +13,8 @@ What cannot be described is refused at startup with the reason and the setting t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from ..protocol.errors import PlanError
 from ..protocol.messages import Region
@@ -68,8 +69,8 @@ def _layer_regions(name: str, tensor: Any, dims: tuple[str, ...], g: KVGeometry)
         raise UnsupportedKVLayout(
             f"KV cache {name} has shape {shape}, declared as {dims}: neuron-disagg needs blocks, tokens "
             "and a head dimension; this attention backend's cache cannot be transferred")
-    size = dict(zip(dims, shape))
-    stride = {d: s * elem for d, s in zip(dims, tensor.stride())}
+    size = dict(zip(dims, shape, strict=True))
+    stride = {d: s * elem for d, s in zip(dims, tensor.stride(), strict=True)}
     if stride[HEAD] != elem:
         raise UnsupportedKVLayout(
             f"KV cache {name}: one head's values are not contiguous (strides {tuple(tensor.stride())}); "

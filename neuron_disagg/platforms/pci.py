@@ -78,7 +78,7 @@ def efa_devices(root: str = "/") -> list[PciDevice]:
 
 def _shared_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

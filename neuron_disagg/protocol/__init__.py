@@ -23,4 +23,14 @@ from .producer import ProducerCore, ProducerTimeouts, PState
 from .reader import ReaderCore, ReaderTimeouts, RState
 from .wire import WireCodec
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# Written out: mypy (strict: no implicit re-export) and ruff read the package's names from a literal list.
+__all__ = [
+    "AbortRead", "AbortWrite", "Action", "AgentInfo", "AgentInfoRequest", "BadSignature", "Cancel",
+    "CancelAck", "ConsumerCore", "ConsumerTimeouts", "DState", "FailTransfer", "FinishLoad", "FreeBlocks",
+    "Heartbeat", "LenderCore", "LenderTimeouts", "LState", "MalformedMessage", "Message", "MessageError",
+    "OversizeMessage", "peer_ranks", "plan_write", "PlanError", "ProducerCore", "ProducerTimeouts",
+    "ProtocolError", "PState", "PullOffer", "RankRegions", "ReadDone", "ReaderCore", "ReaderTimeouts",
+    "ReadFailed", "Region", "Registration", "RState", "SendMessage", "SubmitRead", "SubmitWrite", "TransferId",
+    "Transitioned", "UnknownVersion", "WireCodec", "Withdraw", "WriteDone", "WriteFailed", "WritePlan",
+    "WriteStarting",
+]

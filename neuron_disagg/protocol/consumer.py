@@ -257,7 +257,7 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
         return tuple((entry.p_side_channel, rank) for rank in ranks)
 
     # -- effects ----------------------------------------------------------------------------------
-    def _to_producer(self, entry: ConsumerTransfer, message) -> SendMessage:
+    def _to_producer(self, entry: ConsumerTransfer, message: Heartbeat | Cancel) -> SendMessage:
         return SendMessage(entry.p_side_channel, tuple(range(entry.p_tp_size)), message)
 
     def _run_effect(self, entry: ConsumerTransfer, effect: DEffect, step: Step) -> None:
@@ -275,10 +275,12 @@ class ConsumerCore(StateMachine[DState, DEvent, DEffect, ConsumerTransfer]):
             step.actions.append(self._to_producer(entry, Cancel(
                 tid, self.side_channel, self.tp_size, step.reason or "decode cancelled")))
         elif effect is F.ARM_FENCE:
+            assert entry.registration is not None  # the fence follows SEND_REGISTRATION
             entry.deadline = entry.registration.expires_at + 2 * t.max_write_s + t.clock_skew_allowance_s
         elif effect is F.FINISH_LOAD:
             step.actions.append(FinishLoad(tid))
         elif effect is F.FREE_BLOCKS:
+            assert entry.registration is not None  # the blocks are those SEND_REGISTRATION registered
             step.actions.append(FreeBlocks(tid, entry.registration.block_ids))
         elif effect is F.FREE_LATE_BLOCKS:
             self._drop("allocated:after_end")

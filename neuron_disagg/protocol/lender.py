@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .actions import FailTransfer, FreeBlocks
+from .actions import Action, FailTransfer, FreeBlocks
 from .machine import Entry, Rule, StateMachine, Step
 from .messages import PullOffer, ReadDone, ReadFailed, TransferId
 from .plan import target_ranks
@@ -93,7 +93,7 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
     def _new_entry(self, transfer_id: TransferId, now: float) -> Loan:
         return Loan(transfer_id, LState.NEW, now)
 
-    def offer(self, offer: PullOffer, now: float) -> list:
+    def offer(self, offer: PullOffer, now: float) -> list[Action]:
         """Prefill finished; ``offer`` (built by the caller) lends its blocks to whoever reads."""
         step = Step(self._clock(now), payload=offer)
         entry = self._entry(offer.transfer_id, step, create=True)
@@ -101,7 +101,7 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
         self._if_withdrawn(entry, step)
         return step.actions
 
-    def confirmed(self, message: ReadDone | ReadFailed, now: float) -> list:
+    def confirmed(self, message: ReadDone | ReadFailed, now: float) -> list[Action]:
         step = Step(self._clock(now), payload=message)
         entry = self._entry(message.transfer_id, step, create=False)
         name = type(message).__name__.lower()
@@ -118,14 +118,14 @@ class LenderCore(StateMachine[LState, LEvent, LEffect, Loan]):
         self._fire(entry, LEvent.CONFIRMED if entry.owed_by else LEvent.ALL_CONFIRMED, step)
         return step.actions
 
-    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list:
+    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
         step = Step(self._clock(now), reason=reason)
         entry = self._entry(transfer_id, step, create=False)
         if entry is not None:
             self._fire(entry, LEvent.ABORT, step)
         return step.actions
 
-    def tick(self, now: float) -> list:
+    def tick(self, now: float) -> list[Action]:
         return self._tick(now)
 
     def _run_effect(self, entry: Loan, effect: LEffect, step: Step) -> None:

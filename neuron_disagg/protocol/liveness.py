@@ -97,10 +97,10 @@ class PeerWatch:
         if self._last_tick is not None and now - self._last_tick > self.suspect_after_s / 2:
             # We did not run for a while (our own process stopped, or starved): no probe could be
             # sent or answered, so the silence is ours, not the peers'. Judge from now on.
-            for record in self._peers.values():
-                record.heard_at = max(record.heard_at, now)
-                if record.probing_since is not None:
-                    record.probing_since = now
+            for watched in self._peers.values():
+                watched.heard_at = max(watched.heard_at, now)
+                if watched.probing_since is not None:
+                    watched.probing_since = now
         self._last_tick = now
         probes: list[ProbePeer] = []
         for peer in sorted(wanted):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from .actions import Action, FailTransfer, FreeBlocks, Transitioned
 from .errors import ProtocolError
 from .liveness import PeerRank, PeerWatch
 from .messages import TransferId
-from .rules import Rule
+from .rules import Rule as Rule  # re-exported: each side's table imports it from here
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
@@ -35,7 +35,7 @@ class Entry(Generic[S]):
     ended_at: float | None = None
 
 
-EntryT = TypeVar("EntryT", bound=Entry)
+EntryT = TypeVar("EntryT", bound=Entry[Any])
 
 
 @dataclass
@@ -71,9 +71,9 @@ class StateMachine(Generic[S, E, F, EntryT]):
     """One side's transfers. Subclasses provide TABLE, NEW, TERMINAL, EXPIRED, SUPERSEDED and
     ``_run_effect``; they expose one public method per event."""
 
-    TABLE: dict[tuple[Any, Any], Rule]
+    TABLE: dict[tuple[S, E], Rule[S, F]]
     NEW: Any
-    TERMINAL: frozenset
+    TERMINAL: frozenset[S]
     EXPIRED: Any
     SUPERSEDED: Any
     WITHDRAWN: Any = None  # P's cores only: the router's Withdraw
@@ -99,6 +99,11 @@ class StateMachine(Generic[S, E, F, EntryT]):
     # -- lookup ----------------------------------------------------------------------------------
     def _new_entry(self, transfer_id: TransferId, now: float) -> EntryT:
         raise NotImplementedError
+
+    @overload
+    def _entry(self, transfer_id: TransferId, step: Step, create: Literal[True]) -> EntryT: ...
+    @overload
+    def _entry(self, transfer_id: TransferId, step: Step, create: bool) -> EntryT | None: ...
 
     def _entry(self, transfer_id: TransferId, step: Step, create: bool) -> EntryT | None:
         entry = self.entries.get(transfer_id)
@@ -188,14 +193,21 @@ class StateMachine(Generic[S, E, F, EntryT]):
         """The peer ranks whose word this live transfer still waits for."""
         return ()
 
+    def _watching(self) -> PeerWatch:
+        """The peer watch, which only D's cores have."""
+        if self.watch is None:
+            raise ProtocolError(f"{type(self).__name__} watches no peer ranks")
+        return self.watch
+
     def _watch_peers(self, step: Step) -> None:
         """Each tick: probe every peer rank a live transfer waits on; a transfer waiting on a rank
         that is gone recovers (SUSPECTED)."""
         wanted: set[PeerRank] = set()
         for entry in self.live():
             wanted.update(self._waits_on(entry))
-        step.actions.extend(self.watch.tick(step.now, wanted))
-        self._suspect(self.watch.gone(), step)
+        watch = self._watching()
+        step.actions.extend(watch.tick(step.now, wanted))
+        self._suspect(watch.gone(), step)
 
     def _suspect(self, suspected: dict[PeerRank, str], step: Step) -> None:
         if not suspected:
@@ -209,14 +221,14 @@ class StateMachine(Generic[S, E, F, EntryT]):
     def probe_answered(self, peer: str, rank: int, incarnation: str, now: float) -> list[Action]:
         """A peer rank answered our probe as process ``incarnation``."""
         step = Step(self._clock(now))
-        self._suspect(self.watch.answered((peer, rank), incarnation, step.now), step)
+        self._suspect(self._watching().answered((peer, rank), incarnation, step.now), step)
         return step.actions
 
     def probe_failed(self, peer: str, rank: int, refused: bool, now: float) -> list[Action]:
         """A probe got no answer: ``refused`` (nothing listens there, or the connection was reset) or
         not (it timed out; silence is judged at the tick)."""
         step = Step(self._clock(now))
-        self._suspect(self.watch.failed((peer, rank), refused, step.now), step)
+        self._suspect(self._watching().failed((peer, rank), refused, step.now), step)
         return step.actions
 
     # -- time passes -----------------------------------------------------------------------------
@@ -241,7 +253,7 @@ class StateMachine(Generic[S, E, F, EntryT]):
             self._latest_attempt.pop(transfer_id.lineage, None)
 
     # -- introspection ---------------------------------------------------------------------------
-    def state_of(self, transfer_id: TransferId):
+    def state_of(self, transfer_id: TransferId) -> S | None:
         entry = self.entries.get(transfer_id)
         return None if entry is None else entry.state
 

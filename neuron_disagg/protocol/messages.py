@@ -14,8 +14,6 @@ Encoding, signing and the checks on decode live in ``wire.py``.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 
@@ -40,10 +38,10 @@ class TransferId(msgspec.Struct, frozen=True, array_like=True):
         """What the attempts of one transfer share: a newer attempt supersedes the older ones."""
         return (self.request, self.prompt)
 
-    def supersedes(self, other: "TransferId") -> bool:
+    def supersedes(self, other: TransferId) -> bool:
         return self.lineage == other.lineage and self.attempt > other.attempt
 
-    def router_attempt(self) -> "TransferId":
+    def router_attempt(self) -> TransferId:
         """The router's transfer id this one belongs to (itself, for one of the router's own)."""
         return TransferId(self.request, self.attempt)
 
@@ -256,7 +254,7 @@ class Alive(msgspec.Struct, frozen=True, tag="alive"):
     incarnation: str
 
 
-Message = Union[PullOffer, ReadDone, ReadFailed, Registration, Heartbeat, Cancel, WriteDone, WriteStarting, WriteFailed,
-                CancelAck, AgentInfoRequest, AgentInfo, Withdraw, Probe, Alive]
-ToProducer = Union[Registration, Heartbeat, Cancel]
-ToConsumer = Union[WriteDone, WriteFailed, CancelAck]
+Message = (PullOffer | ReadDone | ReadFailed | Registration | Heartbeat | Cancel | WriteDone | WriteStarting | WriteFailed
+           | CancelAck | AgentInfoRequest | AgentInfo | Withdraw | Probe | Alive)
+ToProducer = Registration | Heartbeat | Cancel
+ToConsumer = WriteDone | WriteFailed | CancelAck

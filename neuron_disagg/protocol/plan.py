@@ -12,7 +12,7 @@ in the same non-ascending order (vLLM's free queue, once a pool has gone round) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -147,11 +147,18 @@ def _chunk_offsets(region: Region, heads: np.ndarray) -> np.ndarray:
     t = np.arange(region.block_tokens, dtype=_U64)
     k = _U64(region.kernel_tokens)
     token = (t // k) * _U64(region.kernel_stride_bytes) + (t % k) * _U64(region.token_stride_bytes)
-    return ((heads - region.first_head).astype(_U64)[:, None] * _U64(region.head_stride_bytes)
-            + token[None, :]).ravel()
+    offsets: np.ndarray = ((heads - region.first_head).astype(_U64)[:, None] * _U64(region.head_stride_bytes)
+                           + token[None, :]).ravel()
+    return offsets
 
 
-def _block_pattern(src: Region, dst: Region):
+#: (src offsets, dst offsets, lengths): descriptors, one array per column
+Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: a region's block geometry (``_geometry``)
+Geometry = tuple[int, ...]
+
+
+def _block_pattern(src: Region, dst: Region) -> Descriptors | None:
     """(src offsets, dst offsets, lengths) inside one block of the heads both regions hold, merged
     where both sides continue; None when they share no head. Computed once per pair of block
     geometries, then laid over every block of the request."""
@@ -165,14 +172,14 @@ def _block_pattern(src: Region, dst: Region):
     return merge_runs(s[order], d[order], np.full(len(s), src.head_bytes, dtype=_U64))
 
 
-def _geometry(region: Region) -> tuple:
+def _geometry(region: Region) -> Geometry:
     """Everything but where a region lies and what it is called: regions that share it share plans."""
     return (region.block_stride_bytes, region.heads, region.first_head, region.head_bytes, region.block_tokens,
             region.head_stride_bytes, region.token_stride_bytes, region.kernel_block_tokens,
             region.kernel_stride_bytes)
 
 
-def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Descriptors:
     """Merge back-to-back descriptors whose source and destination both continue the previous."""
     if len(length) < 2:
         return src, dst, length
@@ -199,8 +206,8 @@ def plan_rank_write(
             f"decode rank {remote.tp_rank} declares different KV regions than this prefill rank "
             f"(e.g. {missing}); both must serve the same model"
         )
-    groups: dict[tuple, list[tuple[Region, Region]]] = {}
-    patterns: dict[tuple, tuple] = {}
+    groups: dict[tuple[Geometry, Geometry], list[tuple[Region, Region]]] = {}
+    patterns: dict[tuple[Geometry, Geometry], Descriptors | None] = {}
     src_bounds = (int(src_blocks.min()), int(src_blocks.max())) if len(src_blocks) else (0, -1)
     dst_bounds = (int(dst_blocks.min()), int(dst_blocks.max())) if len(dst_blocks) else (0, -1)
     for src in local:
@@ -219,7 +226,9 @@ def plan_rank_write(
     parts, unmerged = [], 0
     for key, pairs in groups.items():
         src_stride, dst_stride = key[0][0], key[1][0]
-        pat_src, pat_dst, pat_len = patterns[key]
+        pattern = patterns[key]
+        assert pattern is not None  # groups holds only the pairs that share heads
+        pat_src, pat_dst, pat_len = pattern
         # Contiguity does not depend on a region's base address, so runs are found once on the
         # offsets within a region and then placed at every region's base.
         rel_src = ((src_blocks.astype(_U64) * _U64(src_stride))[:, None] + pat_src[None, :]).ravel()
@@ -240,11 +249,11 @@ def plan_rank_write(
         n = np.tile(run, len(pairs))
         unmerged += len(pairs) * len(src_blocks) * len(pat_len)
         parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1)))
-    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts))
+    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts, strict=True))
     return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged)
 
 
-def _devices(addr: np.ndarray, pairs, side: int) -> np.ndarray:
+def _devices(addr: np.ndarray, pairs: Sequence[tuple[Region, Region]], side: int) -> np.ndarray:
     """The device id of the region each (merged) descriptor starts in."""
     devices = {p[side].device_id for p in pairs}
     if len(devices) == 1:

@@ -312,7 +312,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         """Time passed: fire lapsed leases, registration expiries and write deadlines."""
         return self._tick(now)
 
-    def _local(self, transfer_id: TransferId, event: PEvent, now: float, reason: str | None):
+    def _local(self, transfer_id: TransferId, event: PEvent, now: float, reason: str | None) -> list[Action]:
         step = Step(self._clock(now), reason=reason)
         entry = self.entries.get(transfer_id)
         if entry is None:
@@ -344,7 +344,8 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
                 entry.registration = step.payload
             self._submit(entry, step)
         elif effect is F.DRAIN:
-            entry.deadline += t.max_write_s  # set by SUBMIT_WRITE: a write is in flight
+            assert entry.deadline is not None  # set by SUBMIT_WRITE: a write is in flight
+            entry.deadline += t.max_write_s
         elif effect is F.ABORT_WRITE:
             step.actions.append(AbortWrite(tid))
         elif effect is F.FREE_BLOCKS:
@@ -364,7 +365,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         elif effect is F.DROP:
             self._drop(f"{type(step.payload).__name__.lower()}:{entry.state.value}")
 
-    def _notify(self, entry: ProducerTransfer, step: Step, message) -> None:
+    def _notify(self, entry: ProducerTransfer, step: Step, message: WriteFailed | CancelAck) -> None:
         peer = entry.reply_to
         if isinstance(step.payload, (Registration, Cancel)):  # answer whoever asked
             peer = step.payload.d_side_channel
@@ -377,6 +378,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
 
     def _submit(self, entry: ProducerTransfer, step: Step) -> None:
         reg, planned = entry.registration, entry.planned
+        assert reg is not None and entry.block_ids is not None  # SUBMIT_WRITE follows ARM_REGISTRATION and HOLD_BLOCKS
         try:
             if planned is not None and planned[0] is reg and planned[1] == entry.block_ids:
                 plan = planned[2]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .actions import AbortRead, FailTransfer, FinishLoad, FreeBlocks, Quarantine, SendMessage, SubmitRead
+from .actions import AbortRead, Action, FailTransfer, FinishLoad, FreeBlocks, Quarantine, SendMessage, SubmitRead
 from .liveness import PeerWatch
 from .errors import PlanError
 from .machine import LATE_ALLOCATION, Entry, Rule, StateMachine, Step, clock_behind_reason, refuse_late_allocation
@@ -152,7 +152,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
     def _new_entry(self, transfer_id: TransferId, now: float) -> Read:
         return Read(transfer_id, RState.NEW, now)
 
-    def offered(self, offer: PullOffer, now: float) -> list:
+    def offered(self, offer: PullOffer, now: float) -> list[Action]:
         """The decode leg arrived with P's (verified) offer."""
         step = Step(self._clock(now), payload=offer)
         entry = self._entry(offer.transfer_id, step, create=True)
@@ -165,7 +165,7 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         return step.actions
 
     def allocated(self, transfer_id: TransferId, local: RankRegions, block_ids: tuple[int, ...],
-                  first_block_index: int, now: float) -> list:
+                  first_block_index: int, now: float) -> list[Action]:
         """Our scheduler allocated ``block_ids`` for prompt blocks ``first_block_index`` onwards."""
         step = Step(self._clock(now), payload=(local, tuple(block_ids), first_block_index))
         entry = self._entry(transfer_id, step, create=False)
@@ -175,26 +175,26 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
         self._fire(entry, REvent.ALLOCATED, step)
         return step.actions
 
-    def read_done(self, transfer_id: TransferId, now: float) -> list:
+    def read_done(self, transfer_id: TransferId, now: float) -> list[Action]:
         return self._local(transfer_id, REvent.READ_DONE, now, None)
 
-    def read_failed(self, transfer_id: TransferId, reason: str, now: float) -> list:
+    def read_failed(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
         return self._local(transfer_id, REvent.READ_FAILED, now, reason)
 
-    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list:
+    def abort(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
         return self._local(transfer_id, REvent.ABORT, now, reason)
 
-    def tick(self, now: float) -> list:
+    def tick(self, now: float) -> list[Action]:
         actions = self._tick(now)
         self._watch_peers(Step(self._now, actions=actions))
         return actions
 
     def _waits_on(self, entry: Read) -> tuple[tuple[str, int], ...]:
-        if entry.state not in (RState.WAITING, RState.READING, RState.DRAINING):
+        if entry.state not in (RState.WAITING, RState.READING, RState.DRAINING) or entry.offer is None:
             return ()
         return tuple((entry.offer.p_side_channel, rank) for rank in self._sources(entry.offer))
 
-    def _local(self, transfer_id, event, now, reason):
+    def _local(self, transfer_id: TransferId, event: REvent, now: float, reason: str | None) -> list[Action]:
         step = Step(self._clock(now), reason=reason)
         entry = self._entry(transfer_id, step, create=False)
         if entry is None:
@@ -209,13 +209,14 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
 
     def _plans(self, entry: Read) -> dict[int, WritePlan]:
         offer, local = entry.offer, entry.local
+        assert offer is not None and local is not None  # ARM_OFFER and SUBMIT_READ set them first
         first, dst = entry.first_block_index, np.asarray(entry.block_ids, dtype=np.int64)
         if first < 0 or first + len(dst) != len(offer.block_ids):
             raise PlanError(f"decode allocated blocks {first}..{first + len(dst) - 1} for a request "
                             f"that holds {len(offer.block_ids)} blocks on prefill")
         src = np.asarray(offer.block_ids[first:], dtype=np.int64)
         p_ranks = {r.tp_rank: r for r in offer.ranks}
-        plans = {}
+        plans: dict[int, WritePlan] = {}
         for p_rank in self._sources(offer):
             if p_rank not in p_ranks:
                 raise PlanError(f"the offer lacks prefill rank {p_rank} of {offer.p_tp_size}")
@@ -241,16 +242,19 @@ class ReaderCore(StateMachine[RState, REvent, REffect, Read]):
                 self._fire(entry, REvent.READ_FAILED, Step(step.now, f"offer rejected: {exc}", actions=step.actions))
                 return
             entry.deadline = step.now + self.timeouts.max_read_s
+            assert entry.offer is not None  # _plans read it
             step.actions.append(SubmitRead(tid, plans, entry.offer.p_side_channel,
                                            ReadDone(tid, self.tp_rank, self.tp_size)))
         elif effect is REffect.DRAIN:
-            entry.deadline += self.timeouts.max_read_s  # set by SUBMIT_READ: a READ is in flight
+            assert entry.deadline is not None  # set by SUBMIT_READ: a READ is in flight
+            entry.deadline += self.timeouts.max_read_s
         elif effect is REffect.ABORT_READ:
             step.actions.append(AbortRead(tid))
         elif effect is REffect.FREE_BLOCKS:
             step.actions.append(FreeBlocks(tid, entry.block_ids))
         elif effect is REffect.TELL_P_FAILED:
             offer = entry.offer
+            assert offer is not None  # every state that tells P was entered with its offer (ARM_OFFER)
             step.actions.append(SendMessage(
                 offer.p_side_channel, self._sources(offer),
                 ReadFailed(tid, self.tp_rank, self.tp_size, step.reason or entry.reason or "decode gave up")))

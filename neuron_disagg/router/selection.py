@@ -12,14 +12,14 @@ if TYPE_CHECKING:
     from .instances import Instance
 
 
-def pick_prefill(candidates: list["Instance"]) -> "Instance":
+def pick_prefill(candidates: list[Instance]) -> Instance:
     """P's cost is prefill compute, which grows with prompt tokens: pick the P with the fewest
     prompt tokens this router has outstanding on it, then the fewest legs, then the one picked
     longest ago (so equal instances take turns)."""
     return min(candidates, key=lambda i: (i.prompt_tokens, i.in_flight, i.last_picked))
 
 
-def decode_running(inst: "Instance", now: float, metrics_stale_s: float) -> float:
+def decode_running(inst: Instance, now: float, metrics_stale_s: float) -> float:
     """Sequences D is running: the router's own open legs (fresh, but blind to other routers) or
     D's own count from its last /metrics scrape (complete, but up to one interval old), the larger."""
     running = float(inst.in_flight)
@@ -29,13 +29,13 @@ def decode_running(inst: "Instance", now: float, metrics_stale_s: float) -> floa
     return running
 
 
-def pick_decode(candidates: list["Instance"], now: float, metrics_stale_s: float,
-                kv_cache_full_fraction: float) -> "Instance":
+def pick_decode(candidates: list[Instance], now: float, metrics_stale_s: float,
+                kv_cache_full_fraction: float) -> Instance:
     """D's cost is decode batch size and KV memory: a D whose KV cache is nearly full is picked
     last (its new requests would wait for blocks), then the fewest running sequences, then the
     lowest KV usage, then the one picked longest ago."""
 
-    def key(inst: "Instance") -> tuple[bool, float, float, int]:
+    def key(inst: Instance) -> tuple[bool, float, float, int]:
         engine = inst.engine
         fresh = engine is not None and now - engine.at <= metrics_stale_s
         usage = engine.kv_cache_usage if fresh and engine.kv_cache_usage is not None else 0.0

@@ -58,7 +58,7 @@ class RouterSettings(BaseModel):
                                      "and first-byte times here (see neuron_disagg.timeline)")
 
     @classmethod
-    def build(cls, **values: object) -> "RouterSettings":
+    def build(cls, **values: object) -> RouterSettings:
         """Validates ``values``; raises ConfigError naming each bad field and what it accepts."""
         try:
             return cls.model_validate({k: v for k, v in values.items() if v is not None})

@@ -60,7 +60,7 @@ class PeerProcess:
             try:
                 reply = self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"{self.role} did not answer {op}; stderr: {''.join(self.stderr)[-2000:]}")
+                raise TimeoutError(f"{self.role} did not answer {op}; stderr: {''.join(self.stderr)[-2000:]}") from None
             if reply["reply"] == self._seq:
                 return reply
 

@@ -21,7 +21,8 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..protocol.messages import TransferId
 from ..protocol.plan import RankWrite
@@ -52,7 +53,7 @@ class _Batch:
 
 class InFlight:
     def __init__(self, transport: Transport, peers: Peers,
-                 on_peer_ready: Callable[[str, str | None], None], stats: Counter):
+                 on_peer_ready: Callable[[str, str | None], None], stats: Counter[str]):
         self.transport, self.peers = transport, peers
         self.on_peer_ready = on_peer_ready
         self.stats = stats

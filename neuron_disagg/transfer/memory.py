@@ -24,7 +24,7 @@ class MemoryFabric:
         moved = 0
         for write in plan.writes:
             dst = memoryview(self.memory[write.remote_agent])
-            for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+            for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
                 if s + n > len(src) or d + n > len(dst):
                     raise ValueError(f"descriptor {s:#x}->{d:#x} ({n} bytes) leaves registered memory")
                 dst[d:d + n] = src[s:s + n]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from collections.abc import Callable
 
 from ..protocol.messages import AgentInfo, AgentInfoRequest, Alive, Message, Probe
 from .side_channel import SideChannelClient, rank_address

@@ -34,7 +34,7 @@ from .thread import TransferThread
 log = logging.getLogger(__name__)
 
 
-class PullReader(TransferThread):
+class PullReader(TransferThread[ReaderCore]):
     def __init__(self, core: ReaderCore, transport: Transport, codec: WireCodec, peers: Peers,
                  outbox: Outbox, **intervals: float):
         super().__init__(f"neuron-disagg-pull-reader-{core.tp_rank}", peers, **intervals)
@@ -137,12 +137,13 @@ class PullReader(TransferThread):
                 self.timeline.mark(submit.transfer_id, event)
             return self._then(lambda: self.core.read_done(submit.transfer_id, time.time()))
         self.timeline.mark(submit.transfer_id, "d_read_posted")  # before: cma copies inside the post
+        assert submit.notification is not None  # the reader core puts its ReadDone on every SubmitRead
         error = self.reads.submit(submit.transfer_id, "READ", parts, self.codec.encode(submit.notification))
         if error:
             self._then(lambda: self.core.read_failed(submit.transfer_id, error, time.time()))
 
 
-class PullLender(TransferThread):
+class PullLender(TransferThread[LenderCore]):
     idle_progress_s = 0.25  # D reads from our agent: it must progress even with nothing live here
     def __init__(self, core: LenderCore, transport: Transport, codec: WireCodec, peers: Peers,
                  outbox: Outbox, **intervals: float):
@@ -163,12 +164,18 @@ class PullLender(TransferThread):
         message = item.message
         if isinstance(message, Withdraw):
             self._perform(self.core.withdraw(message.transfer_id, message.reason, now))
-        else:
+        elif isinstance(message, (ReadDone, ReadFailed)):
             self._perform(self.core.confirmed(message, now))
+        else:  # deliver() takes only D's confirmations and the router's Withdraw
+            self.rejected["unexpected"] += 1
 
     def lend(self, offer: PullOffer) -> None:
         """Engine: prefill finished and ``offer`` went to the router; hold its blocks."""
         self._inbox.put(Lend(offer))
+
+    def expecting_a_landing(self) -> bool:
+        """Nothing lands in P's blocks (``Rank.expecting_a_landing`` asks either side's threads)."""
+        return False
 
     def deliver(self, message: ReadFailed | Withdraw) -> None:
         self._inbox.put(Deliver(message))
@@ -185,7 +192,7 @@ class PullLender(TransferThread):
         self.failures[action.reason.split(":")[0]] += 1
 
     def _poll(self) -> None:
-        for sender, frame in self.transport.notifications():
+        for _sender, frame in self.transport.notifications():
             try:
                 message = self.codec.decode(frame)
             except MessageError as exc:

@@ -21,7 +21,8 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.lender import LenderCore, LenderTimeouts
@@ -161,7 +162,7 @@ class Rank:
             thread.deliver(message)
         return None
 
-    def start(self) -> "Rank":
+    def start(self) -> Rank:
         self.server.start()
         self.push.start()
         self.pull.start()
@@ -187,10 +188,11 @@ class Rank:
                                           + self.pull.core.counters["landed_in_quarantine"])
         totals["push_thread_cpu_us"] = int(self.push.cpu_seconds * 1e6)
         totals["pull_thread_cpu_us"] = int(self.pull.cpu_seconds * 1e6)
-        initiator = self.push if self.role == "prefill" else self.pull  # whoever posts transfers
+        # whoever posts transfers: P's push writer, D's pull reader
+        initiator = self.push if isinstance(self.push, PushWriter) else self.pull
         for name in ("bytes", "descriptors", "agent_resets"):
             totals[name] = initiator.stats[name]
-        if not isinstance(self.push, PushWriter):
+        if not isinstance(self.push, PushWriter) or not isinstance(self.pull, PullLender):  # D
             return totals, Counter(), []
         t = self.push.stats
         totals.update({"transfers": t["done"], "transfers_failed": t["failed"]})

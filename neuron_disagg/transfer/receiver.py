@@ -35,7 +35,7 @@ from .thread import TransferThread
 log = logging.getLogger(__name__)
 
 
-class PushReceiver(TransferThread):
+class PushReceiver(TransferThread[ConsumerCore]):
     idle_progress_s = 0.25  # P writes into our agent: it must progress even with nothing live here
     def __init__(self, core: ConsumerCore, transport: Transport, codec: WireCodec, peers: Peers,
                  outbox: Outbox, staging: HostStaging | None = None, **intervals: float):
@@ -94,7 +94,7 @@ class PushReceiver(TransferThread):
         message = action.message
         on_failure = None
         if isinstance(message, Registration):
-            def on_failure(rank: int, why: str, tid=message.transfer_id) -> None:
+            def on_failure(rank: int, why: str, tid: TransferId = message.transfer_id) -> None:
                 self._inbox.put(Undelivered(tid, rank, why))
         self.peers.send(action.peer, action.ranks, message, on_failure)
 
@@ -102,10 +102,13 @@ class PushReceiver(TransferThread):
         self._perform(self.core.undelivered(item.transfer_id, item.rank, item.reason, now))
 
     def _deliver(self, item: Deliver, now: float) -> None:
-        if isinstance(item.message, WriteStarting):
-            self._writing.add(item.message.transfer_id)  # the loop polls right after this
-        else:
-            self._verdict(item.message, now)
+        message = item.message
+        if isinstance(message, WriteStarting):
+            self._writing.add(message.transfer_id)  # the loop polls right after this
+        elif isinstance(message, (WriteDone, WriteFailed, CancelAck)):
+            self._verdict(message, now)
+        else:  # deliver() takes only P's messages to D
+            self.rejected["unexpected"] += 1
 
     def _expect(self, item: Expect, now: float) -> None:
         self._perform(self.core.expect(item.transfer_id, item.p_side_channel, item.p_tp_size, now))
@@ -128,23 +131,26 @@ class PushReceiver(TransferThread):
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, registration: Registration) -> None:
         tid, blocks = registration.transfer_id, registration.block_ids
+        staging = self.staging
+        assert staging is not None  # only with host staging
 
         def register(slots: tuple[int, ...]) -> None:  # now, or when a release frees slots
-            ranks = tuple(RankRegions(r.tp_rank, r.agent_name, self.staging.regions) for r in registration.ranks)
+            ranks = tuple(RankRegions(r.tp_rank, r.agent_name, staging.regions) for r in registration.ranks)
             self._then(lambda: self.core.allocated(replace(registration, ranks=ranks, block_ids=slots), time.time()))
 
         try:
-            self.staging.take(tid, blocks, register)
+            staging.take(tid, blocks, register)
         except ValueError as exc:
             self._perform(self.core.abort(tid, str(exc), time.time()))
             self.outbox.put(Freed(tid, blocks))
 
     def _loaded(self, tid: TransferId) -> None:
         self._writing.discard(tid)
-        held = self.staging.held(tid) if self.staging else None
-        if held is not None:
-            self.staging.to_device(held[1], held[0])
-            self.staging.release(tid)
+        staging = self.staging
+        held = staging.held(tid) if staging is not None else None
+        if staging is not None and held is not None:
+            staging.to_device(held[1], held[0])
+            staging.release(tid)
         self.outbox.put(Loaded(tid))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from ..protocol.errors import MessageError, OversizeMessage
 from ..protocol.messages import Message
@@ -98,7 +98,8 @@ class SideChannelServer:
                                    "set side_channel_port in the config to a free port (each TP rank "
                                    "uses port + rank)") from e
         self._sock.setblocking(False)
-        self.address = "%s:%d" % self._sock.getsockname()[:2]
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.address = f"{bound_host}:{bound_port}"
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)
@@ -109,7 +110,7 @@ class SideChannelServer:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"neuron-disagg-{name}", daemon=True)
 
-    def start(self) -> "SideChannelServer":
+    def start(self) -> SideChannelServer:
         self._thread.start()
         return self
 

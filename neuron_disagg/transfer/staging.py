@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections import deque
 from msgspec.structs import replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 from ..protocol.messages import Region, TransferId
+
+if TYPE_CHECKING:  # imported where used: this module loads without torch
+    import torch
 
 
 class HostStaging:
@@ -36,7 +40,7 @@ class HostStaging:
         self._views = list(rows)
         self._host = [torch.zeros((self.slots, row.shape[1]), dtype=torch.uint8) for row in rows]
         self.regions = tuple(replace(r, base_addr=h.data_ptr(), num_blocks=self.slots,
-                                     block_stride_bytes=h.shape[1]) for r, h in zip(regions, self._host))
+                                     block_stride_bytes=h.shape[1]) for r, h in zip(regions, self._host, strict=True))
         self._free: deque[int] = deque(range(self.slots))
         # transfer -> (the engine's blocks, what to call with the slots), first come first served
         self._waiting: dict[TransferId, tuple[tuple[int, ...], Callable[[tuple[int, ...]], None]]] = {}
@@ -98,7 +102,7 @@ class HostStaging:
     def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Device blocks -> host slots."""
         runs = _runs(blocks, slots)
-        for view, host in zip(self._views, self._host):
+        for view, host in zip(self._views, self._host, strict=True):
             if len(runs) <= _MAX_RUNS:
                 for block, slot, n in runs:
                     host[slot:slot + n].copy_(view[block:block + n])
@@ -110,7 +114,7 @@ class HostStaging:
     def to_device(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Host slots -> device blocks."""
         runs = _runs(blocks, slots)
-        for view, host in zip(self._views, self._host):
+        for view, host in zip(self._views, self._host, strict=True):
             if len(runs) <= _MAX_RUNS:
                 for block, slot, n in runs:
                     view[block:block + n].copy_(host[slot:slot + n])
@@ -126,21 +130,21 @@ _MAX_RUNS = 16
 def _runs(blocks: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first block, first slot, length) of each stretch where both go up by one."""
     runs: list[list[int]] = []
-    for block, slot in zip(blocks, slots):
+    for block, slot in zip(blocks, slots, strict=True):
         if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
             runs[-1][2] += 1
         else:
             runs.append([block, slot, 1])
-    return [tuple(run) for run in runs]
+    return [(block, slot, n) for block, slot, n in runs]
 
 
-def _index(ids: Sequence[int], device=None):
+def _index(ids: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
     import torch
 
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
-def _words(rows):
+def _words(rows: torch.Tensor) -> torch.Tensor:
     """Byte rows as 8-byte words where their width, stride and start allow it (torch's CPU index
     kernels go element by element: bf16 rows moved at 0.3 GiB/s here, int64 rows at 2)."""
     import torch

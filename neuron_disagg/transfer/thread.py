@@ -28,9 +28,10 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterable
 
-from ..protocol.actions import ProbePeer, SendMessage, Transitioned
+from ..protocol.actions import Action, ProbePeer, SendMessage, Transitioned
 from ..protocol.machine import StateMachine
 from ..timeline import OFF, Timeline
 from .inbox import ProbeEnded
@@ -44,17 +45,22 @@ class TransferThreadDied(RuntimeError):
     """A transfer thread ended on an error; raised on the engine loop, so the instance stops loudly."""
 
 
-class TransferThread:
+#: the protocol core a thread drives (ProducerCore, ConsumerCore, LenderCore, ReaderCore)
+CoreT = TypeVar("CoreT", bound=StateMachine[Any, Any, Any, Any])
+ThreadT = TypeVar("ThreadT", bound="TransferThread[Any]")
+
+
+class TransferThread(Generic[CoreT]):
     timeline: Timeline = OFF  # set before start() to record per-transfer timestamps
-    core: StateMachine        # the subclass's protocol core
+    core: CoreT               # the subclass's protocol core
     idle_progress_s: float | None = None  # with nothing live: None sleeps until an inbox item
     stuck_after_s: float = 60.0  # one turn of the loop taking longer is a hang (check())
     def __init__(self, name: str, peers: Peers, tick_interval_s: float = 0.05,
                  poll_interval_s: float = 0.0005):
         self.peers = peers
         self.tick_interval_s, self.poll_interval_s = tick_interval_s, poll_interval_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._later: deque[Callable[[], list]] = deque()  # core calls waiting for the batch in hand
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()  # inbox items, and _STOP
+        self._later: deque[Callable[[], list[Action]]] = deque()  # core calls waiting for the batch in hand
         self._handlers: dict[type, Callable[[Any, float], None]] = {}    # inbox item type -> handler
         self._performers: dict[type, Callable[[Any], None]] = {         # action type -> performer
             SendMessage: lambda a: self.peers.send(a.peer, a.ranks, a.message),
@@ -68,7 +74,7 @@ class TransferThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------------
-    def start(self):
+    def start(self: ThreadT) -> ThreadT:
         self._thread.start()
         return self
 
@@ -101,7 +107,8 @@ class TransferThread:
             return
         self._seen_in_turn = (since, first, now)
         if now - first > self.stuck_after_s:
-            frame = sys._current_frames().get(self._thread.ident)
+            ident = self._thread.ident
+            frame = sys._current_frames().get(ident) if ident is not None else None
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(its stack is gone)\n"
             raise TransferThreadDied(
                 f"{self._thread.name} has been stuck for {now - first:.0f} s in one call, and "
@@ -135,7 +142,7 @@ class TransferThread:
             self._error = self._died = exc
             log.exception("%s died", self._thread.name)
 
-    def _perform(self, actions) -> None:
+    def _perform(self, actions: Iterable[Action]) -> None:
         """Performs the core's actions in order, then the core calls performers deferred (``_then``),
         each with its own actions, until none is left."""
         pending = deque(actions)
@@ -149,7 +156,7 @@ class TransferThread:
                 raise TypeError(f"{self._thread.name} cannot perform {action!r}")
             performer(action)
 
-    def _then(self, core_call: Callable[[], list]) -> None:
+    def _then(self, core_call: Callable[[], list[Action]]) -> None:
         """From a performer: call the core once the actions in hand are performed."""
         self._later.append(core_call)
 

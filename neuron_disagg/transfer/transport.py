@@ -26,7 +26,9 @@ import importlib.metadata
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from types import ModuleType
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -169,7 +171,7 @@ class Transport(abc.ABC):
         peer is forgotten. Call only with nothing in flight."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset its agent")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook, not abstract: a transport holding nothing keeps this no-op)
         pass
 
 
@@ -177,7 +179,7 @@ class Transport(abc.ABC):
 class InMemoryTransport(Transport):
     """Agents in one process; addresses are real process addresses (e.g. numpy buffers)."""
 
-    _agents: dict[str, "InMemoryTransport"] = {}
+    _agents: dict[str, InMemoryTransport] = {}
     _lock = threading.Lock()
 
     def __init__(self, name: str, backend: str = "memory", memory_type: str = "DRAM"):
@@ -190,7 +192,7 @@ class InMemoryTransport(Transport):
         # Tests: transfers to these peers stay in progress until ``land_stalled``, and releasing
         # one does not stop it — as with an RDMA operation in flight.
         self.stall_posts_to: set[str] = set()
-        self._stalled: list[tuple[RankWrite, "InMemoryTransport", bytes, list[bool]]] = []
+        self._stalled: list[tuple[RankWrite, InMemoryTransport, bytes, list[bool]]] = []
         self.prepared_live: set[Prepared] = set()  # built, neither started nor discarded: for tests
         with self._lock:
             self._agents[name] = self
@@ -246,8 +248,8 @@ class InMemoryTransport(Transport):
         self._land(write, target, notification)
         return [True]
 
-    def _land(self, write: RankWrite, target: "InMemoryTransport", notification: bytes) -> None:
-        for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+    def _land(self, write: RankWrite, target: InMemoryTransport, notification: bytes) -> None:
+        for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
             ctypes.memmove(d, s, n)
         with target._inbox_lock:
             target._inbox.append((self.name, notification))
@@ -264,7 +266,7 @@ class InMemoryTransport(Transport):
         self.prepared_live.discard(prepared)
 
     def poll(self, handle: Any) -> bool:
-        return handle[0]
+        return bool(handle[0])
 
     def release(self, handle: Any) -> None:
         pass
@@ -280,7 +282,7 @@ class InMemoryTransport(Transport):
 
 
 # -- NIXL -------------------------------------------------------------------------------------------------
-def nixl_api():
+def nixl_api() -> ModuleType:
     """NIXL's ``nixl`` package picks its CUDA 12 or 13 build by torch's CUDA version; beside a CPU
     build of torch it imports all of torch to learn there is none (a second of CPU per process),
     then takes the first build installed, in this order. A process that has not imported torch,
@@ -308,12 +310,12 @@ class NixlTransport(Transport):
         self.memory_type = memory_type
         self.reset_after_failure = backend == "LIBFABRIC"
         self._agent = self._new_agent(name)
-        self._registrations = []
+        self._registrations: list[Any] = []  # NIXL's registration descriptors (nixl is untyped)
         self._registered: list[np.ndarray] = []  # every registration's rows, to repeat after a reset
         self._peers: set[str] = set()
         self._agent_lock = threading.Lock()  # reset vs the handshake executor's add/remove_peer
 
-    def _new_agent(self, name: str):
+    def _new_agent(self, name: str) -> Any:  # a nixl_agent (nixl is untyped)
         api = nixl_api()
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[self.backend],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
@@ -331,7 +333,8 @@ class NixlTransport(Transport):
         self._registered.append(rows)
 
     def metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        metadata: bytes = self._agent.get_agent_metadata()
+        return metadata
 
     def add_peer(self, metadata: bytes) -> str:
         with self._agent_lock:
@@ -379,7 +382,7 @@ class NixlTransport(Transport):
     def has_peer(self, name: str) -> bool:
         return name in self._peers
 
-    def _descs(self, addr: np.ndarray, length: np.ndarray, dev: np.ndarray):
+    def _descs(self, addr: np.ndarray, length: np.ndarray, dev: np.ndarray) -> Any:  # nixl's descriptor list
         rows = np.stack([addr, length, dev.astype(np.uint64)], axis=1).astype(np.uint64)
         descs = self._agent.get_xfer_descs(rows, self.memory_type)
         if descs is None:
@@ -421,7 +424,7 @@ class NixlTransport(Transport):
 
     def poll(self, handle: Any) -> bool:
         try:
-            state = self._agent.check_xfer_state(handle)
+            state: str = self._agent.check_xfer_state(handle)
         except Exception as exc:
             raise TransferFailed(f"transfer failed: {_nixl_reason(exc)}") from None
         if state == "ERR":

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
-from ..protocol.actions import AbortWrite, FailTransfer, FreeBlocks, SubmitWrite
+from ..protocol.actions import AbortWrite, Action, FailTransfer, FreeBlocks, SubmitWrite
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Withdraw, WriteStarting
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
@@ -32,7 +34,7 @@ from .thread import TransferThread
 log = logging.getLogger(__name__)
 
 
-class PushWriter(TransferThread):
+class PushWriter(TransferThread[ProducerCore]):
     def __init__(self, core: ProducerCore, transport: Transport, codec: WireCodec, peers: Peers,
                  outbox: Outbox, staging: HostStaging | None = None, **intervals: float):
         super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
@@ -66,6 +68,10 @@ class PushWriter(TransferThread):
     def abort(self, transfer_id: TransferId, reason: str) -> None:
         self._inbox.put(Abort(transfer_id, reason))
 
+    def expecting_a_landing(self) -> bool:
+        """Nothing lands in P's blocks (``Rank.expecting_a_landing`` asks either side's threads)."""
+        return False
+
     def deliver(self, message: Registration | Heartbeat | Cancel | Withdraw) -> None:
         """Side channel: a verified message from D (or the router's Withdraw)."""
         self._inbox.put(Deliver(message))
@@ -95,9 +101,10 @@ class PushWriter(TransferThread):
 
     def _message(self, item: Deliver, now: float) -> None:
         message = item.message
-        handler = {Registration: self.core.registration_received, Heartbeat: self.core.heartbeat,
-                   Cancel: self.core.cancel,
-                   Withdraw: lambda m, now: self.core.withdraw(m.transfer_id, m.reason, now)}[type(message)]
+        handlers: dict[type, Callable[[Any, float], list[Action]]] = {
+            Registration: self.core.registration_received, Heartbeat: self.core.heartbeat, Cancel: self.core.cancel,
+            Withdraw: lambda m, now: self.core.withdraw(m.transfer_id, m.reason, now)}
+        handler = handlers[type(message)]
         if isinstance(message, Registration):
             self.timeline.mark(message.transfer_id, "p_registration")
         self._perform(handler(message, now))
@@ -131,16 +138,21 @@ class PushWriter(TransferThread):
 
     # -- host staging ---------------------------------------------------------------------------------
     def _stage(self, tid: TransferId, blocks: tuple[int, ...]) -> None:
+        staging = self.staging
+        assert staging is not None  # only with host staging
+
         def copy(slots: tuple[int, ...]) -> None:  # now, or when a release frees slots
-            self.staging.to_host(blocks, slots)
+            staging.to_host(blocks, slots)
             self.outbox.put(Freed(tid, blocks))  # copied: the engine may reuse them now
             self._then(lambda: self.core.kv_ready(tid, slots, time.time()))
 
         try:
-            self.staging.take(tid, blocks, copy)
+            staging.take(tid, blocks, copy)
         except ValueError as exc:
+            # the reason is taken now: Python unbinds `exc` when the except block ends, and _then runs later
+            reason = str(exc)
             self.outbox.put(Freed(tid, blocks))
-            self._then(lambda: self.core.abort(tid, str(exc), time.time()))
+            self._then(lambda: self.core.abort(tid, reason, time.time()))
 
     def _free(self, tid: TransferId, block_ids: tuple[int, ...]) -> None:
         if self.staging is None:
@@ -170,7 +182,7 @@ class PushWriter(TransferThread):
         if error:
             self._then(lambda: self._failed(submit.transfer_id, error))
 
-    def _failed(self, tid: TransferId, reason: str) -> list:
+    def _failed(self, tid: TransferId, reason: str) -> list[Action]:
         """The write's parts released; the core's actions for its failure."""
         self.writes.release(tid)
         self.stats["write_failed"] += 1

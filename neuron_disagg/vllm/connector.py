@@ -41,7 +41,7 @@ class StepClock:
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0
 
-    def __enter__(self) -> "StepClock":
+    def __enter__(self) -> StepClock:
         # The thread's CPU clock is a system call (the wall clock is not): read it outside the wall
         # window, or another process woken meanwhile preempts us on its return, inside the window.
         self._cpu = time.thread_time()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import kv_params as leg_params
-from ..protocol.messages import RankRegions, Registration, TransferId
+from ..protocol.messages import Registration, TransferId
 from . import compat
 from .failures import router_transfer_id
 from .legs import END, Leg, LegEvent, SchedulerSide

@@ -94,7 +94,7 @@ class QuarantineNotices(KVConnectorWorkerMetadata):
     held: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "QuarantineNotices":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> QuarantineNotices:
         if isinstance(other, QuarantineNotices):
             self.held += other.held
             self.released += other.released

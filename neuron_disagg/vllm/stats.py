@@ -104,7 +104,7 @@ class ConnectorStats(KVConnectorStats):
         return not (any(d["counts"].values()) or d["failures"] or d.get("recomputed") or d["write_ms"]
                     or d["step_us"] or "held_blocks" in d or "quarantined_blocks" in d or d.get("failed_requests"))
 
-    def aggregate(self, other: KVConnectorStats) -> "ConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
         mine, theirs = self.data, other.data
         mine["counts"] = dict(Counter(mine["counts"]) + Counter(theirs.get("counts", {})))
         mine["failures"] = dict(Counter(mine["failures"]) + Counter(theirs.get("failures", {})))

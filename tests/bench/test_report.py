@@ -73,9 +73,9 @@ def test_the_table_shows_step_times_as_p50_p99_pairs_wall_and_cpu():
             result("push", 1.0, 150.0, prefill_step_p50_us=10.0, prefill_step_p99_us=2000.0,
                    prefill_step_cpu_p50_us=10.0, prefill_step_cpu_p99_us=75.0)]
     header, mono, push = report.table(runs)
-    cell = dict(zip(header, push))
+    cell = dict(zip(header, push, strict=True))
     assert (cell["P step p50/p99 us"], cell["P CPU p50/p99 us"], cell["D step p50/p99 us"]) == ("10/2000", "10/75", "-")
-    assert dict(zip(header, mono))["P CPU p50/p99 us"] == "-"
+    assert dict(zip(header, mono, strict=True))["P CPU p50/p99 us"] == "-"
 
 
 def test_transfer_threads_cpu_is_read_from_metrics_as_a_share_of_one_core_over_the_run():

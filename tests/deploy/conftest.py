@@ -60,7 +60,7 @@ def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, wh
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
-                raise RuntimeError(f"{what} did not start")
+                raise RuntimeError(f"{what} did not start") from None
             time.sleep(0.1)
 
 

@@ -168,9 +168,9 @@ def test_the_units_read_the_cache_env_after_fabric_env():
     '-') after fabric.env, whose HF_HOME it overrides."""
     for role in ("prefill", "decode"):
         text = (REPO / f"ami/units/neuron-disagg-{role}@.service").read_text()
-        assert "neuron-disagg-model-cache.service" in next(l for l in text.splitlines() if l.startswith("Wants="))
-        assert "neuron-disagg-model-cache.service" in next(l for l in text.splitlines() if l.startswith("After="))
-        files = [l.split("=", 1)[1] for l in text.splitlines() if l.startswith("EnvironmentFile=")]
+        assert "neuron-disagg-model-cache.service" in next(line for line in text.splitlines() if line.startswith("Wants="))
+        assert "neuron-disagg-model-cache.service" in next(line for line in text.splitlines() if line.startswith("After="))
+        files = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("EnvironmentFile=")]
         assert files.index("-/run/neuron-disagg/model-cache.env") == files.index("/etc/neuron-disagg/fabric.env") + 1
     unit = (REPO / "ami/units/neuron-disagg-model-cache.service").read_text()
     assert "ExecStart=/opt/neuron-disagg/bin/neuron-disagg-model-cache" in unit and "Type=oneshot" in unit

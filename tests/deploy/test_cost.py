@@ -50,7 +50,7 @@ def test_confirmation_asks_and_only_yes_goes_on():
     cost.confirm("bill", yes=False, ask=lambda prompt: "yes\n")
     for answer in ("", "no\n", "sure\n"):
         with pytest.raises(cost.LaunchNotConfirmed, match="nothing was created"):
-            cost.confirm("bill", yes=False, ask=lambda prompt: answer)
+            cost.confirm("bill", yes=False, ask=lambda prompt, answer=answer: answer)
     with pytest.raises(cost.LaunchNotConfirmed, match="pass --yes"):
         cost.confirm("bill", yes=False, ask=None)
 

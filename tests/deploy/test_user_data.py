@@ -191,7 +191,7 @@ def test_router_host_boot_lists_every_instance_launch_tagged_it_with(tmp_path):
     assert "this is prefill-0" in done.stdout
     args = env_file(root / "etc/neuron-disagg/router.env")["ROUTER_ARGS"].split()
     assert args[:4] == ["--host", "0.0.0.0", "--port", "8000"]
-    listed = list(zip(args[4::2], args[5::2]))
+    listed = list(zip(args[4::2], args[5::2], strict=True))
     expected = [("--prefill", f"http://{ip}:{8100 + k},side_channel={ip}:{5600 + 8 * k},tp=8")
                 for ip in (HOST_IP, "10.20.1.5") for k in range(8)]
     expected += [("--decode", f"http://10.20.1.6:{8200 + k},side_channel=10.20.1.6:{5600 + 8 * k},tp=8") for k in range(8)]

@@ -113,7 +113,7 @@ def _mismatch_report(cluster, hung, texts, want, answers, stopped_at) -> str:
     and the transfer's timeline relative to the pause."""
     marks = timeline.load(hung["timeline"])
     lines = [f"pause began at {stopped_at:.3f}"]
-    for i, (text, expected, answer) in enumerate(zip(texts, want, answers)):
+    for i, (text, expected, answer) in enumerate(zip(texts, want, answers, strict=True)):
         got = answer.json()["choices"][0]["text"]
         if got == expected:
             continue

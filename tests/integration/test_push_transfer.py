@@ -151,7 +151,7 @@ def test_tensor_parallel_ranks_write_their_heads_into_place(fabric, p_tp, d_tp):
             d.event_for("loaded", tid)
         for p in ps:
             assert sorted(p.event_for("free", tid)["blocks"]) == p_blocks
-        for p_block, d_block in zip(p_blocks, d_blocks):
+        for p_block, d_block in zip(p_blocks, d_blocks, strict=True):
             # HND: a block holds its heads one after another, so the model's block is the P ranks'
             # blocks end to end, and D rank j holds its slice of that.
             shares = [[bytes.fromhex(h) for h in p.call("read", block=p_block)["regions"]] for p in ps]

@@ -163,7 +163,7 @@ def test_p_replicas_killed_mid_request_still_yield_the_answer(ray_cluster):
             return answered, time.monotonic() - killed
 
     answered, took = asyncio.run(kill_in_flight())
-    for mode, r in zip(MODES, answered):
+    for mode, r in zip(MODES, answered, strict=True):
         assert r.status_code == 200, (mode, r.text)
         assert texts(r.json()) == want, mode
     record(f"| Ray Serve LLM: each mode's P replica stopped, then killed, with a request in flight | push and pull | "

@@ -46,7 +46,7 @@ def test_a_router_killed_with_requests_in_flight_leaves_nothing_held_and_a_new_o
                     except httpx.TransportError as exc:  # the router's end of the connection is gone
                         return exc
 
-                tasks = [asyncio.create_task(send(t, m, s)) for t, (m, s) in zip(texts, SHAPES)]
+                tasks = [asyncio.create_task(send(t, m, s)) for t, (m, s) in zip(texts, SHAPES, strict=True)]
                 # In flight: D holds blocks for them (allocated, being written, or decoding).
                 await asyncio.to_thread(wait_for, lambda: kv_usage(cluster.d) > 0, 30, "D serving the requests")
                 first.kill()
@@ -72,7 +72,7 @@ def test_a_router_killed_with_requests_in_flight_leaves_nothing_held_and_a_new_o
                 want = [await reference(cluster, client, t, 16) for t in texts]
                 answers = await asyncio.gather(*(client.post(f"{second.url}/v1/completions",
                                                              json=body(t, 16, disagg_mode=m))
-                                                 for t, (m, _) in zip(texts, SHAPES)))
+                                                 for t, (m, _) in zip(texts, SHAPES, strict=True)))
             return want, answers
 
         want, answers = run(after())

@@ -668,7 +668,7 @@ def test_preemption_on_decode_keeps_outputs_exact(cluster, small_decode):
     want, got = run(scenario())
     preempted = metric(small_decode, "vllm:num_preemptions_total") - before
     assert preempted > 0, "the scenario was built to force a preemption on D"
-    differing = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    differing = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
     assert len(differing) <= preempted, (differing, preempted)
     wait_for(lambda: kv_usage(small_decode) == 0.0, 20, "small D's KV usage back to 0")
     blocks_back(cluster)

@@ -39,7 +39,7 @@ def host(tmp_path):
 
 
 class FakeEvent:
-    instances: list["FakeEvent"] = []
+    instances: list[FakeEvent] = []
 
     def __init__(self, *args, **kwargs):
         self.recorded_on = "unrecorded"

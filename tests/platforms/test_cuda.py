@@ -87,7 +87,8 @@ def test_neuron_fence_follows_the_route_the_kv_lives_on(host, monkeypatch):
     calls.clear()
     fence = platform.wait_for_kv()
     assert isinstance(fence, CallbackFence) and calls == ["mark_step"] and not fence.ready()
-    fence.wait(); fence.wait()
+    fence.wait()
+    fence.wait()
     assert calls == ["mark_step", "wait_device_ops"] and fence.ready()
 
 

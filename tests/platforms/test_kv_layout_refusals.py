@@ -13,7 +13,10 @@ from neuron_disagg.platforms.kv_layout import (
 )
 
 
-def regions(tensor, dims=VLLM_LAYER_VIEW, geometry=KVGeometry(16, 0, 1, None)):
+GEOMETRY = KVGeometry(16, 0, 1, None)
+
+
+def regions(tensor, dims=VLLM_LAYER_VIEW, geometry=GEOMETRY):
     return regions_from_kv_caches({"layer.0": tensor}, {"layer.0": dims}, geometry)
 
 

@@ -107,7 +107,7 @@ def test_prefix_hit_writes_only_the_tail_into_the_right_slots():
     d_mem = np.frombuffer(fabric.register("d0", regions_bytes(local)), dtype=np.uint8)
     fabric.execute("p", plan)
     for region in local:
-        for pos, d_block in zip([2, 3, 4], [20, 21, 22]):
+        for pos, d_block in zip([2, 3, 4], [20, 21, 22], strict=True):
             s = region.base_addr + src_blocks[pos] * region.block_stride_bytes
             d = region.base_addr + d_block * region.block_stride_bytes
             assert np.array_equal(d_mem[d:d + region.block_bytes], p_mem[s:s + region.block_bytes])
@@ -227,8 +227,8 @@ def _nothing_left_to_merge(plan, local):
     """No descriptor starts where another in the same region ends on both sides, in any order."""
     for w in plan.writes:
         s, d, n, region = (a.tolist() for a in (w.src_addr, w.dst_addr, w.length, _region_of(w.src_addr, local)))
-        ends = {(a + k, b + k, r) for a, b, k, r in zip(s, d, n, region)}
-        if ends & set(zip(s, d, region)):
+        ends = {(a + k, b + k, r) for a, b, k, r in zip(s, d, n, region, strict=True)}
+        if ends & set(zip(s, d, region, strict=True)):
             return False
     return True
 
@@ -248,7 +248,7 @@ def test_blocks_handed_out_descending_on_both_sides_merge_to_one_descriptor_per_
     d_mem = np.frombuffer(fabric.register("d0", regions_bytes(local)), dtype=np.uint8)
     fabric.execute("p", plan)
     for region in local:
-        for s, d in zip(src, dst):
+        for s, d in zip(src, dst, strict=True):
             at_s = region.base_addr + s * region.block_stride_bytes
             at_d = region.base_addr + d * region.block_stride_bytes
             assert np.array_equal(d_mem[at_d:at_d + region.block_bytes], p_mem[at_s:at_s + region.block_bytes])

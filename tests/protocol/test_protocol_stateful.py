@@ -243,7 +243,7 @@ class PushProtocol(RuleBasedStateMachine):
     def write_lands(self, i):
         tid = sorted(self.in_flight, key=str)[i % len(self.in_flight)]
         submit = self.in_flight.pop(tid)
-        for write in submit.plan.writes:  # I2: every destination block is still this transfer's
+        if submit.plan.writes:  # I2: every destination block is still this transfer's
             owned = self.d_owned.get(tid)
             assert owned is not None, f"I2: {tid} wrote into blocks D no longer holds for it"
         self.fabric.execute("p", submit.plan)

@@ -102,7 +102,7 @@ class FakeVllm:
         return {"neuron_disagg": 1, "offer": token}
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def start(self) -> "FakeVllm":
+    async def start(self) -> FakeVllm:
         app = web.Application(middlewares=[self._connection_seen])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)

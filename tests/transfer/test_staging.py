@@ -35,7 +35,7 @@ def test_blocks_round_trip_through_host_slots_into_other_blocks():
     staging = HostStaging(kv_views(caches), regions, slots=4)
     assert [r.num_blocks for r in staging.regions] == [4, 4, 4]
     assert all(s.base_addr != r.base_addr and s.block_stride_bytes == r.block_stride_bytes
-               for s, r in zip(staging.regions, regions))
+               for s, r in zip(staging.regions, regions, strict=True))
     before = {name: t.clone() for name, t in caches.items()}
     staging.to_host([7, 2], [3, 0])
     staging.to_device([3, 0], [5, 9])
@@ -84,7 +84,7 @@ def test_many_blocks_by_runs_or_scattered_arrive_intact(scattered):
     before = {name: t.clone() for name, t in caches.items()}
     staging.to_host(blocks, slots)
     staging.to_device(slots, targets)
-    for src, dst in zip(blocks, targets):
+    for src, dst in zip(blocks, targets, strict=True):
         assert torch.equal(caches["layers.0"][dst], before["layers.0"][src])
         assert torch.equal(caches["layers.1"][:, dst], before["layers.1"][:, src])
 

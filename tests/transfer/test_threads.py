@@ -134,7 +134,7 @@ def test_receiver_rejects_forged_notifications_and_counts_them(ranks):
 
 
 def test_threads_are_named_per_rank(ranks):
-    p, d = ranks("prefill"), ranks("decode")
+    ranks("prefill"), ranks("decode")
     names = {t.name for t in threading.enumerate()}
     assert "neuron-disagg-push-writer-0" in names and "neuron-disagg-push-receiver-0" in names
 
