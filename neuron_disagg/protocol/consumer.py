@@ -73,7 +73,7 @@ class DEffect(enum.Enum):
 S, E, F = DState, DEvent, DEffect
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
 
-TABLE: dict[tuple[DState, DEvent], Rule] = {
+TABLE: dict[tuple[DState, DEvent], Rule[DState, DEffect]] = {
     (S.NEW, E.EXPECT): Rule(S.PENDING, (F.ARM_ADMISSION,)),
     (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED, (), "superseded by a newer attempt"),
     # -- waiting for our own scheduler to allocate blocks --------------------------------------

@@ -45,7 +45,7 @@ class LEffect(enum.Enum):
 
 
 S, E, F = LState, LEvent, LEffect
-TABLE: dict[tuple[LState, LEvent], Rule] = {
+TABLE: dict[tuple[LState, LEvent], Rule[LState, LEffect]] = {
     (S.NEW, E.OFFER): Rule(S.HELD, (F.ARM_LEASE,)),
     (S.HELD, E.CONFIRMED): Rule(None),
     (S.HELD, E.ALL_CONFIRMED): Rule(S.RELEASED, (F.FREE_BLOCKS,)),

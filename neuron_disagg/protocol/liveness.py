@@ -43,7 +43,7 @@ class PEffect(enum.Enum):
 
 
 S, E, F = PState, PEvent, PEffect
-TABLE: dict[tuple[PState, PEvent], Rule] = {
+TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     (S.UNKNOWN, E.ANSWERED): Rule(S.ALIVE, (F.HEARD,)),
     (S.UNKNOWN, E.RESTARTED): Rule(S.ALIVE, (F.HEARD,)),  # unreachable: unknown has no incarnation yet
     (S.UNKNOWN, E.REFUSED): Rule(S.GONE, (F.SUSPECT,), "prefill unreachable: its side channel refused the connection"),

@@ -83,7 +83,7 @@ S, E, F = PState, PEvent, PEffect
 TIMED_OUT = "write did not finish within max_write_s"
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
 
-TABLE: dict[tuple[PState, PEvent], Rule] = {
+TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     # -- first contact: either side of the rendezvous may come first -----------------------------
     (S.NEW, E.REGISTRATION): Rule(S.AWAITING_KV, (F.ARM_REGISTRATION,)),
     (S.NEW, E.KV_READY): Rule(S.AWAITING_REGISTRATION, (F.HOLD_BLOCKS, F.START_LEASE)),

@@ -69,7 +69,7 @@ class REffect(enum.Enum):
 
 S, E, F = RState, REvent, REffect
 TIMED_OUT = "read did not finish within max_read_s"
-TABLE: dict[tuple[RState, REvent], Rule] = {
+TABLE: dict[tuple[RState, REvent], Rule[RState, REffect]] = {
     (S.NEW, E.OFFER): Rule(S.WAITING, (F.ARM_OFFER,)),
     (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED),
     # Not ARM_OFFER: a deadline on an ended transfer would fire EXPIRED, which no ended state takes.
