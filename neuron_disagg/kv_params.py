@@ -143,6 +143,13 @@ def unsigned_prefill(params: dict[str, Any] | None, request_id: str, ttl_s: floa
                      expires_at=(time.time() if now is None else now) + ttl_s, answers_decode=True)
 
 
+def format_transfer_id(request: str, attempt: int) -> str:
+    """The ``transfer_id`` of params, ``<request>#<attempt>``: what ``parse_transfer_id`` reads back,
+    and what a ``TransferId``'s ``router_attempt()`` prints (logs, timelines and failure reasons are
+    keyed by it)."""
+    return str(TransferId(request, attempt))
+
+
 def parse_transfer_id(text: str) -> TransferId:
     request, sep, attempt = str(text).rpartition("#")
     if not sep or not request or not attempt.isdigit():

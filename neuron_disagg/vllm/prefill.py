@@ -154,7 +154,7 @@ class PrefillScheduler(SchedulerSide):
             answer = leg_params.prefill_answer(base64.b64encode(frame).decode())
             if leg.params.answers_decode:  # no router to write D's params: they are this answer
                 request_tid = leg.params.transfer_id
-                answer = leg_params.pull_decode(self.signer, f"{request_tid.request}#{request_tid.attempt}", [answer])
+                answer = leg_params.pull_decode(self.signer, leg_params.format_transfer_id(request_tid.request, request_tid.attempt), [answer])
             self.offered[tid] = answer
             return True, answer
         if finished:
