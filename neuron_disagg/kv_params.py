@@ -37,6 +37,8 @@ from .protocol.wire import MIN_SECRET_BYTES
 
 KEY = "neuron_disagg"  # present, with the contract's version, in every set of params that is ours
 VERSION = 1
+#: Which side a leg, an instance or a rank is: P or D.
+Role = Literal["prefill", "decode"]
 
 
 DEFAULT_TTL_S = 600.0
@@ -118,7 +120,7 @@ MAX_PROMPTS = 4096
 
 @dataclass(frozen=True)
 class LegParams:
-    role: Literal["prefill", "decode"]
+    role: Role
     mode: Literal["push", "pull"]
     transfer_id: TransferId
     p_side_channel: str = ""

@@ -12,14 +12,14 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from yarl import URL
 
+from ..kv_params import Role
 from .errors import Conflict, NoInstance, NotFound
 from .selection import pick_decode, pick_prefill
 
-Role = Literal["prefill", "decode"]
 SPEC_FORM = ("URL[,side_channel=HOST:PORT][,tp=N][,engine_id=ID], e.g. "
              "http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8")
 

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from ..kv_params import Role
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.lender import LenderCore, LenderTimeouts
 from ..protocol.messages import (
@@ -43,7 +44,6 @@ from .transport import NixlTransport, Transport, region_spans
 from .writer import PushWriter
 
 log = logging.getLogger(__name__)
-Role = Literal["prefill", "decode"]
 
 #: Which of a role's threads takes each message a peer may send it: "push", "pull" or both (the
 #: router's Withdraw names no mode). A message of a type missing here is the other role's.
