@@ -12,7 +12,7 @@ Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "tran
 Every set the router writes is signed (``ParamsSigner``): it also carries "prompts" (how many
 distinct prompts the HTTP request has), "expires_ms" and "signature", an HMAC-SHA256 under the
 deployment secret of all its other fields. A set is good for the prompts of one HTTP request: the
-connector remembers each set it acted on until it expires (``vllm/legs.py``, ``SingleUse``), and a
+connector remembers each set it acted on until it expires (``vllm/scheduler_side.py``, ``SingleUse``), and a
 request that brings it again with another prompt, or with the same one later, runs as a plain
 request and is counted (``neuron_disagg_params_replayed_total``). vLLM's HTTP port
 takes ``kv_transfer_params`` from whoever reaches it, so the connector acts only on verified ones;

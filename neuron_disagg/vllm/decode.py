@@ -22,7 +22,7 @@ from .. import kv_params as leg_params
 from ..protocol.messages import RankRegions, Registration, TransferId
 from . import compat
 from .failures import router_transfer_id
-from .legs import END, Leg, LegEvent, SchedulerSide
+from .scheduler_side import END, Leg, LegEvent, SchedulerSide
 from .metadata import Abort, AllocatedBlocks, Expect, QuarantineNotices, ReadOffer, StepMetadata
 from .worker import TransferRecord, TransferState, WorkerSide
 

@@ -21,7 +21,7 @@ from .. import kv_params as leg_params
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
 from . import compat
-from .legs import END, Leg, LegEvent, SchedulerSide
+from .scheduler_side import END, Leg, LegEvent, SchedulerSide
 from .metadata import Abort, HandOff, OfferMade, StepMetadata
 from .worker import WorkerSide
 
