@@ -4,7 +4,7 @@
 ``neuron-disagg router ...`` (``cli.py``) builds a ``RouterSettings`` and an ``InstancePool`` and
 starts ``server.start_router``; tests call ``start_router`` directly. A request flows
 ``app.py`` (HTTP, auth, validation) -> ``flows.py`` (push or pull orchestration, retries) ->
-``legs.py`` (one upstream HTTP call each). ``selection.py`` picks instances by load,
+``upstream.py`` (one upstream HTTP call each). ``selection.py`` picks instances by load,
 ``health.py`` ejects and readmits them, ``metrics.py`` holds the Prometheus series.
 """
 

@@ -24,7 +24,7 @@ from .flows import Flows, RequestContext, RequestLog, logger
 from .health import HealthMonitor
 from .ids import request_id_from_header, transfer_base
 from .instances import InstancePool, InstanceSpecError, make_instance
-from .legs import transport_error
+from .upstream import transport_error
 from .metrics import RouterMetrics
 from .requests import parse_client_request
 from .settings import RouterSettings

@@ -27,7 +27,7 @@ from aiohttp import web
 from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse_error_event)
 from .instances import Instance, InstancePool
-from .legs import DecodeLeg, Upstream, prefill_leg
+from .upstream import DecodeLeg, Upstream, prefill_leg
 from .withdraw import Withdrawals
 from .metrics import RouterMetrics
 from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, prompt_count, pull_decode_params,
