@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..local_cluster import (Instance, disaggregated, free_port, monolithic, ray_serve, reference,
+from ..local_cluster import (ServerProcess, disaggregated, free_port, monolithic, ray_serve, reference,
                              reference_engine_id, router, stop_together)
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
@@ -51,9 +51,9 @@ class Running:
     """A started topology: the URL to load for each mode it serves, and where to look afterwards."""
 
     urls: dict[str, str]
-    instances: list[Instance]
-    prefill: Instance | None = None
-    decode: Instance | None = None
+    instances: list[ServerProcess]
+    prefill: ServerProcess | None = None
+    decode: ServerProcess | None = None
     timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
@@ -80,11 +80,11 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
     """Starts the topology for ``group``, yields it healthy, and stops everything it started; with
     ``idle_window_s``, first measures what each instance uses of its core while idle that long."""
     running = _build(group, server)
-    launched: list[Instance] = []
+    launched: list[ServerProcess] = []
     try:
         backends = [i for i in running.instances if i.name != "router"]
         for instance in backends:
-            instance.pin_every_process = True  # P's core is P's alone (see Instance)
+            instance.pin_every_process = True  # P's core is P's alone (see ServerProcess)
             launched.append(instance.start())
         for instance in backends:
             instance.wait_ready(ready_timeout_s)
