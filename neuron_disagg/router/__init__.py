@@ -9,7 +9,8 @@ starts ``server.start_router``; tests call ``start_router`` directly. A request 
 """
 
 from .errors import RouterError
-from .instances import Instance, InstancePool, InstanceSpecError, parse_instance_spec
+from .instances import Instance, InstanceSpecError, parse_instance_spec
+from .pool import InstancePool
 from .server import RunningRouter, start_router
 from .settings import RouterSettings
 

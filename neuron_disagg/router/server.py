@@ -20,8 +20,9 @@ from .flows import Flows
 from .health import HealthMonitor, RoleMismatch
 from .upstream import Upstream
 from .withdraw import Withdrawals
-from .instances import Instance, InstancePool
+from .instances import Instance
 from .metrics import RouterMetrics
+from .pool import InstancePool
 from .settings import RouterSettings
 
 
