@@ -19,7 +19,6 @@ from typing import Iterable
 
 import httpx
 
-from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
 from .vllm.serve import LOOPBACK_FABRIC, build_command
 from .config import Config
 
@@ -260,17 +259,18 @@ REFERENCE_CONNECTORS = {"vllm-push": "NixlPushConnector", "vllm-pull": "NixlConn
 
 
 def reference(mode: str, role: str, model: str, port: int, side_channel_port: int, cpu: str,
-              **kwargs) -> ServerProcess:
+              env: dict | None = None, **kwargs) -> ServerProcess:
     """A P or D running vLLM's own NIXL connector (``mode`` "vllm-push" or "vllm-pull"), for the
     side-by-side benchmark. Its engine id is ``reference-<role>-<port>`` (the router's vllm-push
-    mode needs P's); see ``neuron_disagg.vllm.plugin`` for why the benchmark keeps its pinning."""
+    mode needs P's); ``env``: added to the instance's environment (the benchmark's keeps its
+    pinning: ``neuron_disagg.bench.keep_affinity``)."""
     transfer = {"kv_connector": REFERENCE_CONNECTORS[mode], "kv_role": "kv_both",
                 "kv_buffer_device": "cpu", "engine_id": reference_engine_id(role, port)}
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
                "--kv-transfer-config", json.dumps(transfer), *vllm_args(port, **kwargs)]
     return ServerProcess(f"{mode}-{role}", command, port, cpu, env={
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        BENCH_KEEP_AFFINITY_ENV: "1"})
+        **(env or {}), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)})
 
 
 def reference_engine_id(role: str, port: int) -> str:

@@ -25,6 +25,7 @@ from typing import Iterator
 
 from ..local_cluster import (ServerProcess, disaggregated, free_port, monolithic, ray_serve, reference,
                              reference_engine_id, router, stop_together)
+from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
@@ -118,8 +119,9 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
     marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
     if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing
         mode = group[0]
-        p = reference(mode, "prefill", server.model, free_port(), p_side, "0", **kw)
-        d = reference(mode, "decode", server.model, free_port(), d_side, "1", **kw)
+        keeps_pinning = keep_affinity.server_env()  # else vLLM's NIXL workers both move to core 1
+        p = reference(mode, "prefill", server.model, free_port(), p_side, "0", keeps_pinning, **kw)
+        d = reference(mode, "decode", server.model, free_port(), d_side, "1", keeps_pinning, **kw)
         r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)],
                    timeline_dir=marks)
         return Running({mode: r.url}, [p, d, r], p, d, marks)
