@@ -12,7 +12,7 @@ Pull, decode leg:   {"neuron_disagg": 1, "role": "decode", "mode": "pull", "tran
 Every set the router writes is signed (``ParamsSigner``): it also carries "prompts" (how many
 distinct prompts the HTTP request has), "expires_ms" and "signature", an HMAC-SHA256 under the
 deployment secret of all its other fields. A set is good for the prompts of one HTTP request: the
-connector remembers each set it acted on until it expires (``vllm/legs.py``, ``SingleUse``), and a
+connector remembers each set it acted on until it expires (``vllm/scheduler_side.py``, ``SingleUse``), and a
 request that brings it again with another prompt, or with the same one later, runs as a plain
 request and is counted (``neuron_disagg_params_replayed_total``). vLLM's HTTP port
 takes ``kv_transfer_params`` from whoever reaches it, so the connector acts only on verified ones;
@@ -38,6 +38,8 @@ from .protocol.wire import MIN_SECRET_BYTES
 
 KEY = "neuron_disagg"  # present, with the contract's version, in every set of params that is ours
 VERSION = 1
+#: Which side a leg, an instance or a rank is: P or D.
+Role = Literal["prefill", "decode"]
 
 
 _DOMAIN = b"neuron-disagg kv_transfer_params v1\0"  # a params signature is never a wire message's
@@ -119,7 +121,7 @@ MAX_PROMPTS = 4096
 
 @dataclass(frozen=True)
 class LegParams:
-    role: Literal["prefill", "decode"]
+    role: Role
     mode: Literal["push", "pull"]
     transfer_id: TransferId
     p_side_channel: str = ""
@@ -142,6 +144,13 @@ def unsigned_prefill(params: dict[str, Any] | None, request_id: str, ttl_s: floa
     request = f"ext-{re.sub(r'^[0-9]+_', '', request_id)}"
     return LegParams("prefill", "pull", TransferId(request, 0), signature=f"unsigned:{request}",
                      expires_at=(time.time() if now is None else now) + ttl_s, answers_decode=True)
+
+
+def format_transfer_id(request: str, attempt: int) -> str:
+    """The ``transfer_id`` of params, ``<request>#<attempt>``: what ``parse_transfer_id`` reads back,
+    and what a ``TransferId``'s ``router_attempt()`` prints (logs, timelines and failure reasons are
+    keyed by it)."""
+    return str(TransferId(request, attempt))
 
 
 def parse_transfer_id(text: str) -> TransferId:

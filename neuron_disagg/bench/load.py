@@ -17,6 +17,7 @@ from collections.abc import Callable
 import httpx
 
 from .. import timeline
+from ..protocol.geometry import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def pool_churn_prompts(model_dir: str, kv_cache_bytes: int, dtype_bytes: int, in
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+        per_token = kv_bytes_per_token(config["num_hidden_layers"], config["num_key_value_heads"], head_dim, dtype_bytes)
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         return 8
     return max(8, -(-3 * kv_cache_bytes // (2 * per_token * round(input_len * CHURN_MEAN_SHARE))))

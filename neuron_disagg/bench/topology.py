@@ -23,8 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 
-from ..local_cluster import (Instance, disaggregated, free_port, monolithic, ray_serve, reference,
+from ..local_cluster import (ServerProcess, disaggregated, free_port, monolithic, ray_serve, reference,
                              reference_engine_id, router, stop_together)
+from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
@@ -51,9 +52,9 @@ class Running:
     """A started topology: the URL to load for each mode it serves, and where to look afterwards."""
 
     urls: dict[str, str]
-    instances: list[Instance]
-    prefill: Instance | None = None
-    decode: Instance | None = None
+    instances: list[ServerProcess]
+    prefill: ServerProcess | None = None
+    decode: ServerProcess | None = None
     timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
@@ -80,11 +81,11 @@ def started(group: tuple[str, ...], server: ServerSettings, ready_timeout_s: flo
     """Starts the topology for ``group``, yields it healthy, and stops everything it started; with
     ``idle_window_s``, first measures what each instance uses of its core while idle that long."""
     running = _build(group, server)
-    launched: list[Instance] = []
+    launched: list[ServerProcess] = []
     try:
         backends = [i for i in running.instances if i.name != "router"]
         for instance in backends:
-            instance.pin_every_process = True  # P's core is P's alone (see Instance)
+            instance.pin_every_process = True  # P's core is P's alone (see ServerProcess)
             launched.append(instance.start())
         for instance in backends:
             instance.wait_ready(ready_timeout_s)
@@ -118,8 +119,9 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
     marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
     if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing
         mode = group[0]
-        p = reference(mode, "prefill", server.model, free_port(), p_side, "0", **kw)
-        d = reference(mode, "decode", server.model, free_port(), d_side, "1", **kw)
+        keeps_pinning = keep_affinity.server_env()  # else vLLM's NIXL workers both move to core 1
+        p = reference(mode, "prefill", server.model, free_port(), p_side, "0", keeps_pinning, **kw)
+        d = reference(mode, "decode", server.model, free_port(), d_side, "1", keeps_pinning, **kw)
         r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)],
                    timeline_dir=marks)
         return Running({mode: r.url}, [p, d, r], p, d, marks)

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import base64
 import shlex
-from typing import Literal
 
 import yaml
 
+from ..kv_params import Role
 from .settings import DeploymentConfig
 from .sizing import VISIBLE, HostPlan
 
-Role = Literal["prefill", "decode"]
 Member = tuple[Role, int]  # (role, index) of one instance of a launch
 HOST_IP = "__HOST_IP__"  # replaced at boot by the instance's private IPv4 address
 SECRET_READ_ATTEMPTS = 12  # 10 s apart: two minutes for the instance role's credentials to work

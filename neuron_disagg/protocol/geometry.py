@@ -10,6 +10,12 @@ from .messages import Region
 from .plan import rank_heads
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """The KV one token of a model holds, all ranks together: a K and a V of every KV head in every
+    layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -19,7 +25,7 @@ class ModelShape:
     block_tokens: int = 16
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
 
 QWEN3_32B = ModelShape(num_layers=64, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_tokens=16)

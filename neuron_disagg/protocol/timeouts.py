@@ -10,9 +10,12 @@ order would still type-check.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 @dataclass(frozen=True, kw_only=True)

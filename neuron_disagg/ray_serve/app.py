@@ -20,7 +20,6 @@ import threading
 from typing import Any
 
 from ..config import Config, ConfigError
-from ..local_cluster import LOOPBACK_FABRIC
 from ..vllm import serve as vllm_serve
 
 CONNECTOR = "NeuronDisaggConnector"
@@ -174,7 +173,7 @@ def main(argv: list[str]) -> int:
         # makes it 127.0.0.1; vLLM's engines in the replicas likewise. The HTTP proxy listens
         # where --host says. NIXL's UCX TCP transport in each engine, which inherits this
         # environment, would listen on every network device but loopback.
-        for key, value in {LOOPBACK_NODE_ENV: "0", **LOOPBACK_FABRIC}.items():
+        for key, value in {LOOPBACK_NODE_ENV: "0", **vllm_serve.LOOPBACK_FABRIC}.items():
             os.environ.setdefault(key, value)
         for env in (prefill_env, decode_env):  # and the sockets between an engine's processes
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -27,7 +27,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 
 from .. import kv_params
 from ..config import Config
-from . import legs
+from . import leg_shaping
 
 #: D's replicas listen this far above the configured side-channel port, P's at it (each replica then
 #: adds its rank times its ranks per replica): P and D replicas may share a node.
@@ -63,21 +63,21 @@ class NeuronDisaggBackend(BaseConnectorBackend):
 
     def replica_metadata(self) -> dict[str, Any]:
         """What D's orchestrator learns of the P replica it picked (push: where D registers)."""
-        return legs.peer_metadata(self._side_channel, self._tp())
+        return leg_shaping.peer_metadata(self._side_channel, self._tp())
 
     # -- D's orchestrator, per request -----------------------------------------------------------------
     def prepare_prefill_request(self, *, request, peer: dict[str, Any] | None):
         return self.prefill_legs(request)[0]
 
     def prefill_legs(self, request) -> list:
-        """P's legs (``legs.prefill_legs``): under pull, one per distinct prompt."""
-        return legs.prefill_legs(request, self.config.mode, self.signer)
+        """P's legs (``leg_shaping.prefill_legs``): under pull, one per distinct prompt."""
+        return leg_shaping.prefill_legs(request, self.config.mode, self.signer)
 
     def prepare_decode_request(self, *, request, peer: dict[str, Any] | None, prefill_response: Any):
         """``prefill_response``: None (push), P's answer, or under pull a list of them, one per leg
         of ``prefill_legs``."""
         answers = prefill_response if isinstance(prefill_response, list) else [prefill_response]
-        return legs.decode_leg(request, self.config.mode, self.signer, peer=peer, answers=answers)
+        return leg_shaping.decode_leg(request, self.config.mode, self.signer, peer=peer, answers=answers)
 
     @property
     def signer(self) -> kv_params.ParamsSigner:

@@ -23,9 +23,10 @@ from .errors import BadRequest, Conflict, PayloadTooLarge, RouterError, Unauthor
 from .flows import Flows, RequestContext, RequestLog, logger
 from .health import HealthMonitor
 from .ids import request_id_from_header, transfer_base
-from .instances import InstancePool, InstanceSpecError, make_instance
-from .legs import transport_error
+from .instances import InstanceSpecError, make_instance
+from .upstream import transport_error
 from .metrics import RouterMetrics
+from .pool import InstancePool
 from .requests import parse_client_request
 from .settings import RouterSettings
 from ..protocol.wire import WireCodec

@@ -26,14 +26,14 @@ from aiohttp import web
 
 from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse_error_event)
-from .ids import format_transfer_id
-from .instances import Instance, InstancePool, Role
-from .legs import DecodeLeg, Upstream, prefill_leg
+from .instances import Instance
+from .upstream import DecodeLeg, Upstream, prefill_leg
 from .withdraw import Withdrawals
 from .metrics import RouterMetrics
+from .pool import InstancePool
 from .requests import (ClientRequest, decode_body, prefill_bodies, prefill_body, prompt_count, pull_decode_params,
                        push_decode_params, require_signer)
-from ..kv_params import ParamsSigner
+from ..kv_params import ParamsSigner, Role, format_transfer_id
 from ..timeline import Timeline
 from .settings import PUSH_MODES, Mode, RouterSettings
 

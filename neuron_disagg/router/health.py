@@ -21,7 +21,8 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .instances import EngineLoad, Instance, InstancePool
+from .instances import EngineLoad, Instance
+from .pool import InstancePool
 from .settings import RouterSettings
 
 logger = logging.getLogger("neuron_disagg.router.health")

@@ -1,7 +1,7 @@
 """Request ids (the ``X-Request-Id`` a client sees) and transfer ids (what P and D share).
 
-The connector names a transfer ``f"{request}#{attempt}"`` (``TransferId.__str__`` in
-``protocol/messages.py``); ``kv_params.parse_transfer_id`` reads it back.
+A transfer id is ``<request>#<attempt>``: ``kv_params.format_transfer_id`` writes it and
+``kv_params.parse_transfer_id`` reads it back.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
-
-from ..protocol.messages import TransferId
 
 # A client's X-Request-Id is echoed and logged, so it must be short and printable; '#' is excluded
 # because it separates the attempt in a transfer id.
@@ -38,7 +36,3 @@ def transfer_base(request_id: str, from_client: bool) -> str:
     would fence each other on P and D (invariant I1), so a client's id gets a random suffix.
     """
     return f"{request_id}.{secrets.token_hex(4)}" if from_client else request_id
-
-
-def format_transfer_id(request: str, attempt: int) -> str:
-    return str(TransferId(request, attempt))

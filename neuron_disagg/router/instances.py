@@ -1,26 +1,20 @@
 """The P and D instances behind the router, and the router's live view of each one's load.
 
 ``cli.py`` parses ``--prefill``/``--decode`` specs with ``parse_instance_spec``; the admin
-endpoints add and remove instances at runtime; ``health.py`` flips ``healthy`` and fills
-``engine``; ``flows.py`` picks instances through ``InstancePool.pick`` and holds a ``lease`` on
-each one for the length of a leg, which is what the load-based choice counts.
+endpoints add and remove instances at runtime (``pool.py``); ``health.py`` flips ``healthy`` and
+fills ``engine``; ``flows.py`` picks instances through ``InstancePool.pick`` and holds a ``lease``
+on each one for the length of a leg, which is what the load-based choice counts.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from yarl import URL
 
-from .errors import Conflict, NoInstance, NotFound
-from .selection import pick_decode, pick_prefill
+from ..kv_params import Role
 
-Role = Literal["prefill", "decode"]
 SPEC_FORM = ("URL[,side_channel=HOST:PORT][,tp=N][,engine_id=ID], e.g. "
              "http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8")
 
@@ -70,7 +64,8 @@ class Instance:
         return out
 
 
-def _normalise_url(url: str) -> URL:
+def normalise_url(url: str) -> URL:
+    """An instance URL as the pool keys it: without a trailing slash, query or fragment."""
     try:
         parsed = URL(url.strip())
     except (ValueError, TypeError) as exc:
@@ -93,7 +88,7 @@ def make_instance(role: str, url: str, side_channel: str | None, tp: int | str |
     """Validates one instance description (from a spec or the admin endpoint)."""
     if role not in ("prefill", "decode"):
         raise InstanceSpecError(f"role must be 'prefill' or 'decode', got {role!r}")
-    parsed = _normalise_url(url)
+    parsed = normalise_url(url)
     if side_channel is None:
         host = f"[{parsed.host}]" if ":" in (parsed.host or "") else parsed.host
         side_channel = f"{host}:{default_side_channel_port}"
@@ -121,79 +116,3 @@ def parse_instance_spec(role: str, spec: str, default_side_channel_port: int) ->
         values[key] = value
     return make_instance(role, url, values.get("side_channel"), values.get("tp"),
                          default_side_channel_port, values.get("engine_id"))
-
-
-@dataclass
-class InstancePool:
-    """Every instance by URL. Single event loop: no locks; mutations never await."""
-
-    on_change: Callable[[Instance], None] = lambda inst: None   # metrics hook
-    on_remove: Callable[[Instance], None] = lambda inst: None
-    _by_url: dict[str, Instance] = field(default_factory=dict)
-    _picks: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-
-    def add(self, inst: Instance) -> Instance:
-        if inst.url in self._by_url:
-            raise Conflict(f"{inst.url} is already a {self._by_url[inst.url].role} instance; "
-                           "remove it first to change it", code="instance_exists")
-        self._by_url[inst.url] = inst
-        self.on_change(inst)
-        return inst
-
-    def remove(self, url: str) -> Instance:
-        """Stops new legs going to ``url``; legs already open on it run to their end."""
-        try:
-            key = str(_normalise_url(url))
-        except InstanceSpecError:
-            key = url
-        inst = self._by_url.pop(key, None)
-        if inst is None:
-            raise NotFound(f"no instance {url!r}; known: {sorted(self._by_url)}", code="unknown_instance")
-        inst.removed = True
-        self.on_remove(inst)
-        return inst
-
-    def all(self) -> list[Instance]:
-        return list(self._by_url.values())
-
-    def healthy(self, role: Role) -> list[Instance]:
-        return [i for i in self._by_url.values() if i.role == role and i.healthy]
-
-    def pick(self, role: Role, now: float, *, exclude: frozenset[Instance] = frozenset(),
-             metrics_stale_s: float = 30.0, kv_cache_full_fraction: float = 0.95) -> Instance:
-        """The least loaded healthy instance of ``role`` not in ``exclude``; NoInstance if none."""
-        candidates = [i for i in self.healthy(role) if i not in exclude]
-        if not candidates:
-            known = sum(1 for i in self._by_url.values() if i.role == role)
-            why = "all tried" if exclude and known else ("none healthy" if known else "none configured")
-            raise NoInstance(f"no {role} instance available ({why}; {known} known)",
-                             code=f"no_{role}_instance")
-        if role == "prefill":
-            chosen = pick_prefill(candidates)
-        else:
-            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction)
-        chosen.last_picked = next(self._picks)
-        return chosen
-
-    def set_health(self, inst: Instance, healthy: bool) -> bool:
-        """Returns True if this changed the instance's state."""
-        changed = inst.healthy != healthy
-        inst.healthy = healthy
-        if changed and not inst.removed:
-            self.on_change(inst)
-        return changed
-
-    @contextmanager
-    def lease(self, inst: Instance, prompt_tokens: int = 0) -> Iterator[Instance]:
-        """Counts one open leg (and its prompt tokens) against ``inst`` while the block runs."""
-        inst.in_flight += 1
-        inst.prompt_tokens += prompt_tokens
-        if not inst.removed:  # a removed instance keeps its open legs but loses its series
-            self.on_change(inst)
-        try:
-            yield inst
-        finally:
-            inst.in_flight -= 1
-            inst.prompt_tokens -= prompt_tokens
-            if not inst.removed:
-                self.on_change(inst)

@@ -18,10 +18,11 @@ from ..protocol.wire import WireCodec
 from .app import STATE, build_app
 from .flows import Flows
 from .health import HealthMonitor, RoleMismatch
-from .legs import Upstream
+from .upstream import Upstream
 from .withdraw import Withdrawals
-from .instances import Instance, InstancePool
+from .instances import Instance
 from .metrics import RouterMetrics
+from .pool import InstancePool
 from .settings import RouterSettings
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from collections.abc import Callable, Sequence
 
+from ..kv_params import Role
 from ..protocol.consumer import ConsumerCore, ConsumerTimeouts
 from ..protocol.lender import LenderCore, LenderTimeouts
 from ..protocol.messages import (
@@ -44,7 +45,6 @@ from .transport import NixlTransport, Transport, region_spans
 from .writer import PushWriter
 
 log = logging.getLogger(__name__)
-Role = Literal["prefill", "decode"]
 
 #: Which of a role's threads takes each message a peer may send it: "push", "pull" or both (the
 #: router's Withdraw names no mode). A message of a type missing here is the other role's.

@@ -22,7 +22,7 @@ from .. import kv_params as leg_params
 from ..protocol.messages import Registration, TransferId
 from . import compat
 from .failures import router_transfer_id
-from .legs import END, Leg, LegEvent, SchedulerSide
+from .scheduler_side import END, Leg, LegEvent, SchedulerSide
 from .metadata import Abort, AllocatedBlocks, Expect, QuarantineNotices, ReadOffer, StepMetadata
 from .worker import TransferRecord, TransferState, WorkerSide
 
@@ -124,7 +124,7 @@ class DecodeScheduler(SchedulerSide):
         if leg is None or num_external_tokens == 0 or leg.state is not _D.WAITING_FOR_BLOCKS:
             return
         first = leg.local_hit_tokens // self.block_size
-        prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        prompt_blocks = self.block_count(len(request.prompt_token_ids))
         block_ids = tuple(blocks.get_block_ids()[0][first:prompt_blocks])
         allocated = AllocatedBlocks(leg.key, request.request_id, block_ids, first)
         leg.block_ids = block_ids

@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections import OrderedDict
 
+from ..kv_params import format_transfer_id
 from ..protocol.messages import TransferId
 
 MIDDLEWARE = f"{__name__}.kv_failure_reasons"
@@ -27,7 +28,7 @@ _waiting: dict[str, asyncio.Future[str]] = {}  # answers waiting for their reaso
 
 def router_transfer_id(transfer: TransferId) -> str:
     """The id the router sent (its X-Request-Id) for one prompt's transfer (``transfer_key``)."""
-    return str(transfer.router_attempt())
+    return format_transfer_id(transfer.request, transfer.attempt)
 
 
 def remember(failed: dict[str, str]) -> None:

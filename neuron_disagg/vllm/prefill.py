@@ -21,7 +21,7 @@ from .. import kv_params as leg_params
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
 from . import compat
-from .legs import END, Leg, LegEvent, SchedulerSide
+from .scheduler_side import END, Leg, LegEvent, SchedulerSide
 from .metadata import Abort, HandOff, OfferMade, StepMetadata
 from .worker import WorkerSide
 
@@ -125,7 +125,7 @@ class PrefillScheduler(SchedulerSide):
         self._stop_following(leg)  # ended: nothing left to follow
         # vLLM 0.24 passes every block of the request, later versions those of computed tokens:
         # the prompt's KV is in the first blocks either way.
-        block_ids = block_ids[:-(-len(request.prompt_token_ids) // self.block_size)]
+        block_ids = block_ids[:self.block_count(len(request.prompt_token_ids))]
         finished = "ABORTED" not in status and "ERROR" not in status and bool(block_ids)
         if leg.state is _P.HANDED_OFF:  # handed over when its last forward ended; the writer has them
             if tuple(block_ids) != leg.block_ids and finished:
@@ -154,7 +154,7 @@ class PrefillScheduler(SchedulerSide):
             answer = leg_params.prefill_answer(base64.b64encode(frame).decode())
             if leg.params.answers_decode:  # no router to write D's params: they are this answer
                 request_tid = leg.params.transfer_id
-                answer = leg_params.pull_decode(self.signer, f"{request_tid.request}#{request_tid.attempt}", [answer])
+                answer = leg_params.pull_decode(self.signer, leg_params.format_transfer_id(request_tid.request, request_tid.attempt), [answer])
             self.offered[tid] = answer
             return True, answer
         if finished:
@@ -220,7 +220,7 @@ class PrefillScheduler(SchedulerSide):
                 self._hand_off_early(leg, after_forward=True)
 
     def _prompt_blocks(self, leg: Leg) -> tuple[int, ...]:
-        return leg.block_ids[:-(-leg.prompt_tokens // self.block_size)]
+        return leg.block_ids[:self.block_count(leg.prompt_tokens)]
 
     def _stop_following(self, leg: Leg) -> None:
         leg.early = False

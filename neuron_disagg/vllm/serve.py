@@ -22,6 +22,13 @@ from . import compat, failures
 
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
+#: The environment of a vLLM server whose peers are all on its host (a one-host cluster: the demo,
+#: the tests, the benchmark, a local Ray Serve): NIXL's UCX TCP transport would otherwise listen on
+#: every network device but loopback (measured: the host's address, in every vLLM worker), where on
+#: one host UCX moves the KV over cma/shm anyway. A value in the environment wins (a user who wants
+#: the fabric's devices sets it).
+LOOPBACK_FABRIC = {"UCX_NET_DEVICES": "lo"}
+
 
 def kv_transfer_config(role: str, config: Config, engine_id: str | None = None) -> dict:
     # What differs from the defaults, and what the config names even at its default (a side channel

@@ -9,7 +9,7 @@ import re
 
 import httpx
 
-from neuron_disagg.local_cluster import RayServeInstance, descendants, ray_serve
+from neuron_disagg.local_cluster import RayServeProcess, descendants, ray_serve
 
 from ..vllm_envs import extra_env
 from .vllm_cluster import listening, title, wait_for
@@ -21,7 +21,7 @@ MODES = ("push", "pull")
 
 class RayCluster:
     def __init__(self, model: str, secret: str, config: dict, replicas: int = REPLICAS):
-        self.driver: RayServeInstance = ray_serve(model, secret, config, modes=MODES, replicas=replicas,
+        self.driver: RayServeProcess = ray_serve(model, secret, config, modes=MODES, replicas=replicas,
                                                   python=extra_env("0.29.0").python)
         self.metrics_port = self.driver.metrics_port
 

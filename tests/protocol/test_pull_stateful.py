@@ -183,7 +183,7 @@ class PullProtocol(RuleBasedStateMachine):
         for plan in submit.plans.values():
             for write in plan.writes:
                 src = memoryview(self.fabric.memory[write.remote_agent])
-                for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist()):
+                for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
                     dst[d:d + n] = src[s:s + n]
 
     # -- the router and the two engines --------------------------------------------------------------------

@@ -9,8 +9,7 @@ from neuron_disagg.config import ConfigError
 from neuron_disagg.protocol.messages import TransferId
 from neuron_disagg.router import cli
 from neuron_disagg.router.health import parse_engine_load
-from neuron_disagg.kv_params import parse_transfer_id
-from neuron_disagg.router.ids import format_transfer_id
+from neuron_disagg.kv_params import format_transfer_id, parse_transfer_id
 from neuron_disagg.router.instances import EngineLoad, InstanceSpecError, make_instance, parse_instance_spec
 from neuron_disagg.router.requests import parse_client_request
 from neuron_disagg.router.selection import pick_decode, pick_prefill

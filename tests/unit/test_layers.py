@@ -12,20 +12,27 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "neuron_disagg"
 
 
-def imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, absolute (relative imports resolved), at any depth."""
+def import_statements(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Every import in ``path``, at any depth, as (module, the names taken from it): absolute, with
+    relative imports resolved; a plain ``import m`` takes no names."""
     package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
-    found: set[str] = set()
+    found: list[tuple[str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.extend((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
+            names = tuple(alias.name for alias in node.names)
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                found.add(".".join([*base, node.module] if node.module else base))
+                found.append((".".join([*base, node.module] if node.module else base), names))
             else:
-                found.add(node.module)
+                found.append((node.module, names))
     return found
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved), at any depth."""
+    return {module for module, _ in import_statements(path)}
 
 
 def modules(layer: str) -> list[Path]:
@@ -54,8 +61,16 @@ RULES = {
     "router": ("vllm", "torch", "nixl", "neuron_disagg.vllm", "neuron_disagg.transfer.rank",
                "neuron_disagg.transfer.transport", "neuron_disagg.transfer.writer", "neuron_disagg.transfer.receiver",
                "neuron_disagg.transfer.pull"),
-    # Ray Serve's side: it shapes legs and starts Ray, as the router routes; no rank's threads
-    "ray_serve": ("torch", "nixl", "neuron_disagg.transfer", "neuron_disagg.protocol", "neuron_disagg.platforms"),
+    # Ray Serve's side: it shapes legs and starts Ray, as the router routes; no rank's threads, and
+    # never the launcher that starts it
+    "ray_serve": ("torch", "nixl", "neuron_disagg.transfer", "neuron_disagg.protocol", "neuron_disagg.platforms",
+                  "neuron_disagg.local_cluster"),
+    # the launcher of one-host clusters (demo, tests, bench): it knows what it starts by command
+    # line, never by what runs inside, and never the commands that use it
+    "local_cluster": ("vllm", "torch", "nixl", "ray", "neuron_disagg.transfer", "neuron_disagg.protocol",
+                      "neuron_disagg.platforms", "neuron_disagg.router", "neuron_disagg.vllm.connector",
+                      "neuron_disagg.vllm.plugin", "neuron_disagg.bench", "neuron_disagg.demo", "neuron_disagg.cli",
+                      "neuron_disagg.deploy"),
 }
 
 
@@ -85,3 +100,79 @@ def test_the_rule_catches_an_import_it_forbids(tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "neuron_disagg")
     assert offenders("platforms", RULES["platforms"]) == {
         "neuron_disagg/platforms/loop.py": ["cuda_compat", "neuron_disagg.vllm"]}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each of the package's modules -> the package's modules it imports. ``from . import x`` imports
+    module ``x`` where there is one; an import inside a function or under TYPE_CHECKING counts too,
+    as either still ties the two modules together."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        targets = set()
+        for module, names in import_statements(path):
+            for taken in names or ("",):
+                submodule = f"{module}.{taken}"
+                targets.add(submodule if submodule in paths else module)
+        graph[name] = (targets & paths.keys()) - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_two_modules_of_the_package_import_each_other_even_through_others():
+    assert import_cycles(module_graph()) == []
+
+
+def test_the_cycle_check_catches_cycles_through_lazy_and_type_checking_imports(tmp_path, monkeypatch):
+    """The check itself can fail: a launcher importing an app that imports the launcher back from
+    inside a function is one cycle, a pool and the policy that names the pool's type only for the
+    type checker another; a module a cycle only points at is in neither."""
+    fake = tmp_path / "neuron_disagg"
+    (fake / "serve").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "serve" / "__init__.py").write_text("")
+    (fake / "launcher.py").write_text("from .serve import app\nfrom . import config\n")
+    (fake / "config.py").write_text("import os\n")
+    (fake / "serve" / "app.py").write_text("def main():\n    from ..launcher import FABRIC\n")
+    (fake / "pool.py").write_text("from .policy import best\n")
+    (fake / "policy.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from .pool import Pool\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert import_cycles(module_graph()) == [["neuron_disagg.launcher", "neuron_disagg.serve.app"],
+                                             ["neuron_disagg.policy", "neuron_disagg.pool"]]

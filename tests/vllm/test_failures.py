@@ -18,7 +18,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from neuron_disagg.protocol import TransferId  # noqa: E402
 from neuron_disagg.vllm import failures  # noqa: E402
-from neuron_disagg.vllm.legs import transfer_key  # noqa: E402
+from neuron_disagg.vllm.scheduler_side import transfer_key  # noqa: E402
 from neuron_disagg.vllm.stats import ConnectorStats, empty  # noqa: E402
 
 VLLM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}

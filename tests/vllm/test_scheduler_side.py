@@ -13,7 +13,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 
 from neuron_disagg.vllm.decode import DECODE_TABLE, DecodeScheduler, DecodeState  # noqa: E402
-from neuron_disagg.vllm.legs import END, LegEvent, transfer_key  # noqa: E402
+from neuron_disagg.vllm.scheduler_side import END, LegEvent, transfer_key  # noqa: E402
 from neuron_disagg.vllm.prefill import PREFILL_TABLE, PrefillScheduler, PrefillState  # noqa: E402
 from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
 from neuron_disagg.protocol import TransferId  # noqa: E402
@@ -229,7 +229,7 @@ def test_params_are_good_for_one_requests_prompts_and_a_replay_runs_plainly(side
 
 def test_used_params_are_forgotten_once_they_expire_and_memory_is_bounded():
     from neuron_disagg import kv_params
-    from neuron_disagg.vllm.legs import SingleUse
+    from neuron_disagg.vllm.scheduler_side import SingleUse
 
     uses = SingleUse(kept=2)
     first = kv_params.LegParams("decode", "push", TransferId("a"), signature="s1", expires_at=100.0)
@@ -495,7 +495,7 @@ def test_a_prefill_sibling_that_arrives_after_the_kv_was_sent_is_freed_at_once(m
 
 
 def test_ended_transfers_are_remembered_up_to_a_bound(monkeypatch):
-    monkeypatch.setattr("neuron_disagg.vllm.legs.ENDED_KEPT", 2)
+    monkeypatch.setattr("neuron_disagg.vllm.scheduler_side.ENDED_KEPT", 2)
     d = DecodeScheduler(BLOCK, SIGNER)
     for i, tokens in enumerate((A, B, range(200, 220))):
         r = request(f"{i}_r", tokens, PUSH_D)

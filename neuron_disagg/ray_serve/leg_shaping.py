@@ -29,7 +29,7 @@ def transfer_id(request) -> str:
     request_id = getattr(request, "request_id", None)
     if not request_id:  # vLLM's request models give every request one
         raise ValueError("a request without request_id: its two legs could not be matched")
-    return f"ray-{request_id}#0"
+    return kv_params.format_transfer_id(f"ray-{request_id}", 0)
 
 
 def _prompts(request) -> list[Any] | None:

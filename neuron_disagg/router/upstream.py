@@ -20,7 +20,8 @@ from typing import Any
 import aiohttp
 
 from .errors import RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
-from .instances import Instance, InstancePool
+from .instances import Instance
+from .pool import InstancePool
 
 log = logging.getLogger("neuron_disagg.router")
 

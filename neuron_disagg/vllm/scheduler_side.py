@@ -142,6 +142,10 @@ class SchedulerSide:
         self._step = StepMetadata()
         self._held_changed = True  # a leg started or stopped holding blocks since the last report
 
+    def block_count(self, tokens: int) -> int:
+        """The blocks that hold ``tokens`` tokens, the last of them perhaps part-full."""
+        return -(-tokens // self.block_size)
+
     # -- legs ------------------------------------------------------------------------------------------
     def _leg(self, request) -> Leg | None:
         """The request's leg, created the first time vLLM asks about the request; None when the
