@@ -73,6 +73,9 @@ def translate(exc: ClientError, operation: str, params: dict[str, Any]) -> Deplo
 
 #: Services answered from one region only, whatever the deployment's.
 SERVICE_REGIONS = {"pricing": "us-east-1"}
+# Services whose answers are advisory (the cost shown before a launch): one retry, not four with
+# backoff, so an endpoint that errors delays a launch by a moment, not by seconds per instance type.
+ADVISORY_SERVICES = frozenset({"pricing"})
 
 
 class Cloud:
@@ -86,6 +89,7 @@ class Cloud:
         self.log = log or sys.stderr
         self._clients: dict[str, Any] = dict(clients or {})  # service -> client; tests may pass stubbed ones
         self._config = BotoConfig(retries={"mode": "standard", "max_attempts": 5})
+        self._advisory_config = BotoConfig(retries={"mode": "standard", "max_attempts": 2})
 
     @classmethod
     def connect(cls, region: str, session: boto3.Session | None = None, log: TextIO | None = None) -> Cloud:
@@ -104,7 +108,8 @@ class Cloud:
         if service not in self._clients:
             try:
                 region = SERVICE_REGIONS.get(service)  # None: the session's
-                self._clients[service] = self.session.client(service, config=self._config, region_name=region)
+                config = self._advisory_config if service in ADVISORY_SERVICES else self._config
+                self._clients[service] = self.session.client(service, config=config, region_name=region)
             except NoRegionError:
                 raise DeployError("no AWS region: set region in the deployment config or pass --region") from None
         return self._clients[service]

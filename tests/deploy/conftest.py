@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import io
 import json
 import os
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.session
 import pytest
 import yaml
 from botocore.awsrequest import AWSResponse
@@ -62,6 +64,17 @@ def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, wh
                 process.kill()
                 raise RuntimeError(f"{what} did not start") from None
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_model_loader():
+    """Every boto3 session of the tests shares one botocore loader, which keeps each service's API
+    model once parsed. A session builds its own otherwise, and the tests (each with a session, and
+    the CLI's own) spent about 35 s re-parsing the same JSON models (EC2's is several MB)."""
+    made = botocore.session.create_loader
+    botocore.session.create_loader = functools.lru_cache(maxsize=None)(made)
+    yield
+    botocore.session.create_loader = made
 
 
 @pytest.fixture(scope="session")
