@@ -6,13 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# A first set-up keeps about 11 GB on disk (a fresh clone, 2026-12-06: the environments and uv's
-# cache share their files, but 0.24's and 0.33/0.34's torch CUDA builds are several GB each). Say
-# so at the start rather than leave the installer's ENOSPC as the only clue.
-if [ ! -f .venv-vllm-0.24.0/.neuron-disagg-ready ]; then
+# A first set-up keeps several GB on disk (the environments and uv's cache share their files, but
+# 0.33/0.34's torch CUDA build is several GB). Say so at the start rather than leave the
+# installer's ENOSPC as the only clue.
+if [ ! -f .venv-vllm-0.34.0/.neuron-disagg-ready ]; then
   free_gb=$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')
-  if [ "${free_gb:-0}" -lt 13 ]; then
-    echo "setup.sh: warning: ${free_gb} GB free under $PWD; a first set-up needs about 12 GB" >&2
+  if [ "${free_gb:-0}" -lt 8 ]; then
+    echo "setup.sh: warning: ${free_gb} GB free under $PWD; a first set-up needs about 7 GB" >&2
   fi
 fi
 # Every environment is installed by uv, configured as pip is here (scripts/uv.sh says why);
@@ -28,11 +28,10 @@ ensure_uv
 #   is put beside it once ./.venv exists (below). The demo does not need it, so a machine that
 #   cannot build it (no root for apt) still gets a working demo; the LIBFABRIC tests then fail
 #   saying why.
-# - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the current
-#   Neuron plugin's and the published benchmark's, and 0.24.0, Neuron SDK 2.32's (~6.5 GB: it runs
-#   on PyPI's CUDA build of torch 2.11, the only 2.11 reachable), served here; 0.33.0 and 0.34.0,
-#   what p5en users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this
-#   machine's disk). The demo needs none of them.
+# - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the Neuron
+#   plugin's of SDK 2.33 and the published benchmark's, served here; 0.33.0 and 0.34.0, what p5en
+#   users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this machine's
+#   disk). The demo needs none of them. The extended tier's (0.24.0) is scripts/extended.sh's.
 job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
   local name=$1
   shift
@@ -43,9 +42,7 @@ jobs=()
 # A failure in the foreground leaves no build running behind it.
 trap 'for entry in "${jobs[@]}"; do kill "${entry##*:}" 2> /dev/null || true; done' EXIT
 job libfabric env NEURON_DISAGG_FABRIC_BUILD_ONLY=1 bash scripts/libfabric.sh
-for version in 0.29.0 0.24.0; do
-  job "vllm $version" bash scripts/vllm_env.sh "$version"
-done
+job "vllm 0.29.0" bash scripts/vllm_env.sh 0.29.0
 # 0.33 needs all but a few of 0.34's packages: after 0.34, uv links them from its cache.
 job "vllm 0.34.0, 0.33.0" bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
 

@@ -43,14 +43,26 @@ VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
     "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d")) + (
     "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
 #: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
-#: their own (0.24's P and D), so at worst eight instances are up at once (measured peak 14.6 GiB).
-#: Without them the servers' worker was the suite's critical path (1,361 s against 1,086).
-BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::",)
+#: their own (a P and a D), so at worst eight instances are up at once (measured peak 14.6 GiB).
+#: Without them the servers' worker is the suite's critical path (1,361 s against 1,086, when 0.24's
+#: module was the one beside them).
+BESIDE_THE_CLUSTERS = ("tests/integration/test_vllm_oldest.py::", "tests/integration/test_demo.py::")
 #: The shared clusters' parameters (tests/integration/conftest.py), in the order they run.
 CLUSTER_ORDER = ("main", "0.29.0")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier (tests marked `extended`: older vLLM versions; "
+                          "scripts/extended.sh builds what it needs and runs it)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):  # out of CI's time: scripts/extended.sh runs them
+        extended = [item for item in items if item.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     for item in items:
         if INTEGRATION in Path(item.fspath).parents or PROCESS_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.integration)

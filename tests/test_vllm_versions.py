@@ -10,12 +10,12 @@ import re
 
 import pytest
 
-from .vllm_envs import EXTRA, SCHEDULER_LEVEL, extra_env, run_pytest
+from .vllm_envs import EXTENDED, EXTRA, SCHEDULER_LEVEL, extra_env, run_pytest
 
 pytestmark = pytest.mark.integration  # pytest in the other vLLM environments
 
 
-@pytest.mark.parametrize("version", EXTRA)
+@pytest.mark.parametrize("version", [*EXTRA, *(pytest.param(v, marks=pytest.mark.extended) for v in EXTENDED)])
 def test_tests_that_import_vllm_pass_on(version):
     unadapted = ("--ignore=tests/vllm/test_kv_layouts.py",) if version in SCHEDULER_LEVEL else ()
     done = run_pytest(extra_env(version), "tests/vllm", *unadapted)

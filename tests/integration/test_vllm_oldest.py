@@ -15,7 +15,7 @@ from ..vllm_envs import extra_env
 from .vllm_cluster import _compare, blocks_back, body, handed_over_early, metric, prompt, reference, run, running
 from .vllm_cluster import routed as routed_by_router
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers, pytest.mark.extended]
 VERSION = "0.24.0"
 
 
