@@ -2,9 +2,8 @@
 launch before anything bills, and deleted by teardown.
 
 Each instance reads its deployment's secret at boot with its instance profile's role. A profile
-whose role may not read that SecureString boots instances that get AccessDenied and exit (and, since
-issue 35, power off): the p5en walk-through used to do exactly that with the trn2 deployment's
-profile. So launch reads the role's policies and refuses a profile that cannot read this
+whose role may not read that SecureString boots instances that get AccessDenied and power off:
+the p5en walk-through once did exactly that with the trn2 deployment's profile. So launch reads the role's policies and refuses a profile that cannot read this
 deployment's parameter, naming the profile it expects and how to create it. Reading IAM needs
 ``iam:GetInstanceProfile``, ``iam:ListRolePolicies``, ``iam:GetRolePolicy``,
 ``iam:ListAttachedRolePolicies``, ``iam:GetPolicy`` and ``iam:GetPolicyVersion``; without them launch

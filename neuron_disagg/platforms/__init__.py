@@ -1,4 +1,4 @@
-"""Accelerator layer: what differs between Neuron, CUDA and CPU hosts (issue 8 completes it)."""
+"""Accelerator layer: what differs between Neuron, CUDA and CPU hosts."""
 
 from .base import Platform
 from .errors import PlatformError, PlatformNotAvailable, UnknownPlatform

@@ -141,7 +141,7 @@ def test_launch_status_teardown_through_the_cli(use_session, network, baked_ami,
 
 def test_a_live_launch_nobody_confirmed_creates_nothing(use_session, network, baked_ami, ec2, gaps, ssm, tmp_path,
                                                         capsys):
-    """Issue 35, item 6: launch used to go live at once, with no word of the cost."""
+    """A live launch shows its cost and waits for a yes before anything bills."""
     config = str(write_config(tmp_path, network, max_hours=6))
     register_image(ec2, "neuron-disagg-cuda-test", "cuda")
     assert cli.main(["launch", config, "--instance-type", "p5en.48xlarge"]) == LaunchNotConfirmed.exit_code

@@ -1,4 +1,4 @@
-"""Issue 35, item 6: what a launch costs is said, and confirmed, before anything bills."""
+"""What a launch costs is said, and confirmed, before anything bills."""
 
 from __future__ import annotations
 

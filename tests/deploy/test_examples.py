@@ -136,7 +136,7 @@ def test_walk_through_creates_the_instance_profile_the_launch_message_names():
     statements = {s["Action"]: s for s in policy["Statement"]}
     assert statements["ssm:GetParameter"]["Resource"] == "arn:aws:ssm:*:*:parameter/neuron-disagg/qwen3-32b-trn2/secret"
     assert "AmazonSSMManagedInstanceCore" not in message
-    for family in ("trn2", "p5en"):  # each deployment of the walk-through gets its own (issue 35, item 3)
+    for family in ("trn2", "p5en"):  # each deployment of the walk-through gets its own
         assert f"neuron-disagg instance-profile examples/qwen3-32b.yaml --name qwen3-32b-{family}" in readme
 
 

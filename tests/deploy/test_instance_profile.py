@@ -1,4 +1,4 @@
-"""Issue 35, item 3: each deployment gets its own instance profile from one command, and launch
+"""Each deployment gets its own instance profile from one command, and launch
 refuses a profile that cannot read its deployment's secret, naming the one it expects. The
 walk-through (examples/README.md) for trn2 and for p5en, end to end against moto: profile, launch,
 status, teardown."""

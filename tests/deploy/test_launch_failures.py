@@ -1,4 +1,4 @@
-"""Issue 35, items 1-2: a launch or a boot that fails leaves nothing billing, and says which
+"""A launch or a boot that fails leaves nothing billing, and says which
 instances it ended and why. Against moto as a server; what moto cannot do (CreateTags answering
 InvalidInstanceID.NotFound, a RunInstances answer lost after the instances exist, an instance's
 console text) comes from ``MotoGaps`` (conftest.py)."""

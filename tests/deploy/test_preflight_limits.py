@@ -1,4 +1,4 @@
-"""Checks launch makes before it creates anything in AWS (issue 35, item 8): an ami_id baked for the
+"""Checks launch makes before it creates anything in AWS: an ami_id baked for the
 other platform, default routes that do or do not lead out of the VPC, and limits EC2 enforces only
 once RunInstances or CreateTags runs (user data size, tags per resource, root volume size).
 

@@ -1,4 +1,4 @@
-"""Issue 35, items 4-5: a reservation made in a cluster placement group is launched into it, and a
+"""A reservation made in a cluster placement group is launched into it, and a
 Capacity Block too near its end is refused with its end time. DescribeCapacityReservations is
 answered by ``MotoGaps.reserve`` (moto has no Capacity Blocks); RunInstances goes to moto."""
 

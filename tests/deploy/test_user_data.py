@@ -328,7 +328,7 @@ def test_router_unit_reads_its_arguments_and_the_shared_config():
     (dict(host_ip="not-an-address"), "could not read this host's private IPv4 address"),
 ])
 def test_a_boot_that_gives_up_says_why_on_the_console_and_powers_off(tmp_path, arrange, reason):
-    """Issue 35, item 2: a boot that cannot serve used to exit and leave its host billing."""
+    """A boot that cannot serve powers its host off rather than leave it billing."""
     done, root = run_script(render(deployment(tmp_path), [("decode", 0)], secret=None), tmp_path,
                             **arrange)
     assert done.returncode == 1

@@ -1,4 +1,4 @@
-"""llm-d's P/D flow (issue 32) against our connector: a stand-in for llm-d's routing sidecar sends
+"""llm-d's P/D flow against our connector: a stand-in for llm-d's routing sidecar sends
 P and D exactly what the sidecar's NIXL v2 connector sends, as read in llm-d/llm-d-router at commit
 0545789098a63157c372443db4145d91895977b4, ``pkg/sidecar/proxy/connector_nixlv2.go``
 (``handleNIXLV2``, its serial READ path) and ``pkg/common/request`` (``CapSingleToken``):

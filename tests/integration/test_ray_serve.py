@@ -1,4 +1,4 @@
-"""Ray Serve LLM as the engine in front (issue 32): a real local Ray cluster (`neuron-disagg
+"""Ray Serve LLM as the engine in front: a real local Ray cluster (`neuron-disagg
 ray-serve`, Ray 2.60 on vLLM 0.29) serving P and D replicas with our connector through Ray's OpenAI
 app, push at /push (peer-bound, concurrent hand-off) and pull at /pull (sequential).
 
