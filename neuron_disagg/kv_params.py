@@ -30,7 +30,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .protocol.messages import TransferId
 from .protocol.timeouts import DEFAULTS
@@ -40,6 +40,7 @@ KEY = "neuron_disagg"  # present, with the contract's version, in every set of p
 VERSION = 1
 #: Which side a leg, an instance or a rank is: P or D.
 Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 _DOMAIN = b"neuron-disagg kv_transfer_params v1\0"  # a params signature is never a wire message's
@@ -168,7 +169,7 @@ def parse(params: dict[str, Any] | None, signer: ParamsSigner, now: float | None
     signed = {"signature": str(params.get("signature")), "expires_at": params.get("expires_ms", 0) / 1000}
     params = signer.verify(params, now)
     role, mode = params.get("role"), params.get("mode", "push")
-    if role not in ("prefill", "decode") or mode not in ("push", "pull"):
+    if role not in ROLES or mode not in ("push", "pull"):
         raise BadTransferParams(f"kv_transfer_params role={role!r} mode={mode!r} is not supported")
     tid = parse_transfer_id(params.get("transfer_id", ""))
     prompts = params.get("prompts", 1)

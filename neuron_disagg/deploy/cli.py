@@ -15,6 +15,7 @@ from typing import Any
 import boto3
 
 from ..config import ConfigError
+from ..kv_params import ROLES
 from . import cost, instance_profile
 from .capacity import offerings, print_offerings
 from .cloud import Cloud, DryRunCloud
@@ -59,7 +60,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
                                  "readable by anyone allowed ec2:DescribeInstanceAttribute)")
         parser.add_argument("--capacity-block", metavar="CR_ID",
                             help="run every instance in this purchased Capacity Block reservation (cr-...)")
-        parser.add_argument("--router-on", choices=["prefill", "decode"], help="host of the router (default prefill)")
+        parser.add_argument("--router-on", choices=ROLES, help="host of the router (default prefill)")
         parser.add_argument("--dry-run", action="store_true",
                             help="print the AWS calls (operation + parameters, one JSON line each) and make none")
         parser.add_argument("--yes", action="store_true",

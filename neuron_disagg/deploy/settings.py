@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import Config
+from ..kv_params import Role
 from .errors import DeploymentConfigError
 
 #: vLLM arguments travel through a systemd EnvironmentFile split on whitespace: keep them plain.
@@ -78,7 +79,7 @@ class Hosts(BaseModel):
 class RouterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    host: Literal["prefill", "decode"] = Field(
+    host: Role = Field(
         "prefill", description="the router runs on the first instance of this role")
     port: int = Field(8000, ge=1, le=65535)
 

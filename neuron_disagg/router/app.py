@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..kv_params import ParamsSigner
+from ..kv_params import ROLES, ParamsSigner
 from .errors import BadRequest, Conflict, PayloadTooLarge, RouterError, Unauthorized, UpstreamRejected, error_body
 from .flows import Flows, RequestContext, RequestLog, logger
 from .health import HealthMonitor
@@ -175,7 +175,7 @@ async def _passthrough(request: web.Request) -> web.Response:
 # -- router endpoints -------------------------------------------------------------------------------
 async def _health(request: web.Request) -> web.Response:
     pool = request.app[STATE].pool
-    counts = {role: len(pool.healthy(role)) for role in ("prefill", "decode")}  # type: ignore[arg-type]
+    counts = {role: len(pool.healthy(role)) for role in ROLES}
     ok = all(counts.values())
     return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable",
                                       "healthy_prefill": counts["prefill"],

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from ..config import Config, ConfigError
-from ..kv_params import ParamsSigner
+from ..kv_params import ROLES, ParamsSigner
 from ..protocol.wire import WireCodec
 from .instances import Instance, InstanceSpecError, parse_instance_spec
 from .health import RoleMismatch
@@ -109,7 +109,7 @@ async def _serve(settings: RouterSettings, instances: list[Instance], config: Co
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    roles = {r: [i.url for i in instances if i.role == r] for r in ("prefill", "decode")}
+    roles = {r: [i.url for i in instances if i.role == r] for r in ROLES}
     log.info("router on %s, mode %s, prefill %s, decode %s%s", router.url, settings.mode,
              roles["prefill"] or "none", roles["decode"] or "none",
              ", API key required" if settings.api_key else "")

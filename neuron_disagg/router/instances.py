@@ -13,7 +13,7 @@ from typing import Any
 
 from yarl import URL
 
-from ..kv_params import Role
+from ..kv_params import ROLES, Role
 
 SPEC_FORM = ("URL[,side_channel=HOST:PORT][,tp=N][,engine_id=ID], e.g. "
              "http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8")
@@ -86,7 +86,7 @@ def _check_side_channel(value: str) -> str:
 def make_instance(role: str, url: str, side_channel: str | None, tp: int | str | None,
                   default_side_channel_port: int, engine_id: str | None = None) -> Instance:
     """Validates one instance description (from a spec or the admin endpoint)."""
-    if role not in ("prefill", "decode"):
+    if role not in ROLES:
         raise InstanceSpecError(f"role must be 'prefill' or 'decode', got {role!r}")
     parsed = normalise_url(url)
     if side_channel is None:

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from ..config import Config
+from ..kv_params import ROLES
 from ..protocol.consumer import ConsumerTimeouts
 from ..protocol.geometry import QWEN3_32B, ModelShape, rank_regions, regions_bytes
 from ..protocol.lender import LenderTimeouts
@@ -216,7 +217,7 @@ class Peer:
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--transport", choices=["nixl", "memory"], default="nixl")
