@@ -23,8 +23,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 FAST_TIMEOUT_S = 30
+# Hypothesis's per-example deadline (200 ms) times the machine, not the code: one example stalled by
+# the other worker's vLLM servers failed a test. The tests' own bounds stay.
+settings.register_profile("no-deadline", deadline=None)
+settings.load_profile("no-deadline")
 # The processes the suite starts (vLLM's, Ray's, NIXL peers: hundreds) write the bytecode of what
 # they import from outside the environments (this package, editable; the tests), which set-up
 # byte-compiled, even where the machine sets PYTHONDONTWRITEBYTECODE.

@@ -77,8 +77,9 @@ def test_idle_cpu_counts_every_thread_of_the_group_a_spinner_its_share_of_the_co
         spinning.stdout.readline(), sleeping.stdout.readline()
         used = idle_cpu_percent({"spinning": spinning.pid, "sleeping": sleeping.pid}, window_s=1.0)
         # A background thread's spin: a core alone, a share of the two on a loaded machine (38% with
-        # four other spinners, each in a session of its own, as every vLLM instance is).
-        assert used["spinning"] > 15
+        # four other spinners, each in a session of its own, as every vLLM instance is). The rule is
+        # the difference, whatever that share: a spinner counts many times what a sleeper does.
+        assert used["spinning"] > max(3, 20 * used["sleeping"])
         assert used["sleeping"] < 5
     finally:
         for child in (spinning, sleeping):

@@ -67,7 +67,8 @@ def test_one_prefill_rank_of_two_lost_fails_the_decode_within_its_bound_and_free
     for d in ds[:-1]:  # at D TP 2 rank 0 owes only rank 0's heads: loaded, its blocks now vLLM's
         d.event_for("loaded", tid)  # (vLLM fails the request as a whole: a rank's load failed)
     elapsed = time.monotonic() - started
-    assert elapsed < BOUND_S + 5, f"D's blocks came back after {elapsed:.1f} s, bound {BOUND_S} s"
+    # A hang guard: the event waits above already bound it; what decided is the reason's to say.
+    assert elapsed < BOUND_S + 10, f"D's blocks came back after {elapsed:.1f} s, bound {BOUND_S} s"
     if fault == "hung":  # back after D gave up: it hears the cancel, writes nothing, frees
         lost.proc.send_signal(18)  # SIGCONT
         lost.call("kv_ready", tid=tid, blocks=p_blocks)
@@ -125,7 +126,7 @@ def test_pull_one_prefill_rank_of_two_lost_after_offering_fails_the_decode_withi
     assert any(word in outcome["reason"] for word in expected), outcome
     assert sorted(owing.event_for("free", tid, timeout=PULL_BOUND_S + 10)["blocks"]) == d_blocks
     elapsed = time.monotonic() - started
-    assert elapsed < PULL_BOUND_S + 5, f"D's blocks came back after {elapsed:.1f} s, bound {PULL_BOUND_S} s"
+    assert elapsed < PULL_BOUND_S + 10, f"D's blocks came back after {elapsed:.1f} s, bound {PULL_BOUND_S} s"
     for d in ds[:-1]:  # at D TP 2, rank 0 reads only rank 0's heads: loaded, byte for byte
         d.event_for("loaded", tid)
         assert d.call("digest", blocks=d_blocks)["digest"] == ps[0].call("digest", blocks=p_blocks)["digest"]

@@ -43,10 +43,10 @@ def test_vllm_49238_a_prefill_restarted_under_decodes_transfer(ucx_peers, mode):
 
     deliver(p, ["warm", 0], [1, 2], [3, 4], seed=1)  # D and P know each other's agents
     held = ["held", 0]
-    started = time.monotonic()
     if mode == "push":  # D registered; P restarts before its prefill ends
         d.call("expect", tid=held, p_address=p.address)
         d.call("allocate", tid=held, blocks=[5, 6])
+        started = time.monotonic()  # D's bound runs from its allocation: a restart's start-up is not D's
         deadline = time.monotonic() + 10
         while p.call("stats")["live"] != 1:
             assert time.monotonic() < deadline, "P never got the registration"
@@ -57,6 +57,7 @@ def test_vllm_49238_a_prefill_restarted_under_decodes_transfer(ucx_peers, mode):
         p = _restart(ucx_peers, p, *args)
         d.call("offered", tid=held, offer=offer)
         d.call("allocate", tid=held, blocks=[5, 6])
+        started = time.monotonic()
     # Push: D's probe is refused while P is down, or answered by the new process as another
     # incarnation: the load is given up at once and the blocks wait for their fence. Pull: the
     # READ to the old agent fails.

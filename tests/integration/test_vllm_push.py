@@ -238,7 +238,7 @@ def test_a_decode_whose_transfer_thread_dies_fails_its_request_at_once_and_stops
     broken = broken_decode
     try:
         response, took = run(_decode_alone(cluster, broken, prompt(40, 18)))
-        assert response.status_code == 500 and took < 10, (response.status_code, response.text, took)
+        assert response.status_code == 500 and took < TIMEOUTS["watchdog_s"], (response.status_code, response.text, took)
         broken.process.wait(60)
     finally:
         broken.stop()

@@ -249,6 +249,20 @@ def test_heartbeats_renew_the_lease_by_transfer_id_but_not_from_the_future():
     assert any(isinstance(a, FailTransfer) and "lease expired" in a.reason for a in actions)
 
 
+def test_every_lapsed_lease_is_freed_in_the_tick_it_lapses_even_behind_live_ones():
+    """vLLM's #58222: a reaper that stops at the first live entry leaves the lapsed ones behind it
+    held. Here every other held transfer's lease is renewed, so live and lapsed entries alternate."""
+    c = core()
+    held = [TransferId(f"churn-{i}", 0) for i in range(24)]
+    for i, tid in enumerate(held):
+        c.kv_ready(tid, (i,), 0.0)
+    for tid in held[::2]:
+        c.heartbeat(Heartbeat(tid, 9.0), 9.0)
+    freed = {a.transfer_id for a in c.tick(T.lease_s) if isinstance(a, FreeBlocks)}
+    assert freed == set(held[1::2])
+    assert all(c.state_of(tid) is PState.AWAITING_REGISTRATION for tid in held[::2])
+
+
 def test_heartbeat_for_unknown_transfer_is_counted_not_created():
     c = core()
     c.heartbeat(Heartbeat(TransferId("nobody"), 1), 1)

@@ -57,13 +57,13 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_a_peer_with_the_secret_is_answered_and_stays_connected_past_the_first_frame_deadline(server):
-    srv = server(first_frame_s=0.2)
+    srv = server(first_frame_s=1.0)  # the first frame must still come in time on a loaded machine
     client = SideChannelClient(WireCodec(SECRET))
     addr = rank_address(srv.address, 0)
     assert client.request(addr, AgentInfoRequest("d")) == HEARTBEAT
     client.send(addr, HEARTBEAT)
     kept = client._conns[addr]
-    time.sleep(0.5)  # past the deadline: verified connections are not expired
+    time.sleep(1.3)  # past the deadline: verified connections are not expired
     client.send(addr, HEARTBEAT)
     wait(lambda: srv.got.count(HEARTBEAT) == 2)
     assert srv.connections == 1 and not srv.rejected

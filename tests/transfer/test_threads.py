@@ -343,7 +343,7 @@ def test_the_receiver_polls_closely_only_once_p_says_it_is_writing(ranks):
     """A registration waits out P's whole prefill in push: D's receiver must not spin through it.
     It polls closely from P's WriteStarting until the transfer ends, and without the hint the KV
     still arrives, by the next tick."""
-    p, d = ranks("prefill"), ranks("decode")
+    p, d = ranks("prefill"), ranks("decode", "--watchdog-s", "20")  # loaded, not given up, proves the tick
     receiver = d.peer.thread
     tid = ("hinted", 0)
     _register(d, p, tid, [1, 2])
@@ -358,7 +358,7 @@ def test_the_receiver_polls_closely_only_once_p_says_it_is_writing(ranks):
     _register(d, p, dropped, [5, 6])
     time.sleep(0.3)
     p.kv_ready(tid=list(dropped), blocks=[7, 8])
-    d.wait("loaded", dropped, timeout=2 * receiver.tick_interval_s + 2)
+    d.wait("loaded", dropped, timeout=10)
 
 
 class _WaitsSeen(queue.SimpleQueue):
@@ -441,14 +441,15 @@ def test_a_write_p_gave_up_on_keeps_p_blocks_and_d_untold_until_it_ends(ranks):
     """Releasing a write does not stop it (an RDMA op in flight: the transport here completes a
     stalled one when told, released or not). After max_write_s P stops waiting, but frees its
     blocks and answers D only once the write ended; one that ends then is D's KV after all."""
-    p, d = ranks("prefill", "--max-write-s", "1"), ranks("decode", "--watchdog-s", "20")
+    # max_write_s 3: the drain, in which the test looks, lasts as long, however loaded the machine
+    p, d = ranks("prefill", "--max-write-s", "3"), ranks("decode", "--watchdog-s", "20")
     _warm(p, d, [1])
     p.fill(blocks=[2, 3], seed=5)
     p.peer.transport.stall_posts_to.add(d.peer.agent)
     tid = ("stalled", 0)
     _register(d, p, tid, [4, 5])
     p.kv_ready(tid=list(tid), blocks=[2, 3])
-    _wait_for_state(p, tid, "draining")  # past max_write_s (1); the drain ends a max_write_s later
+    _wait_for_state(p, tid, "draining")  # past max_write_s (3); the drain ends a max_write_s later
     assert not [e for e in p.events_of("free") if e["tid"] == list(tid)]
     assert not [e for e in d.events_of("failed") if e["tid"] == list(tid)]
     assert p.peer.transport.land_stalled() == 1
@@ -473,7 +474,8 @@ def test_a_write_that_never_ends_is_released_and_answered_after_the_drain(ranks)
 def test_a_read_d_gave_up_on_keeps_its_blocks_until_it_ends_and_still_recomputes(ranks):
     """Pull: a READ past max_read_s may still land in D's blocks. They go back to vLLM, failed
     (D computes the prompt), only once the READ ended or a second max_read_s passed."""
-    p, d = ranks("prefill", "--mode", "pull"), ranks("decode", "--mode", "pull", "--max-write-s", "1")
+    p = ranks("prefill", "--mode", "pull")
+    d = ranks("decode", "--mode", "pull", "--max-write-s", "3", "--watchdog-s", "20")
     warm = ("warm-read", 0)
     d.offered(tid=list(warm), offer=p.lend(tid=list(warm), blocks=[1])["offer"])
     d.allocate(tid=list(warm), blocks=[1])
@@ -482,7 +484,7 @@ def test_a_read_d_gave_up_on_keeps_its_blocks_until_it_ends_and_still_recomputes
     tid = ("stalled-read", 0)
     d.offered(tid=list(tid), offer=p.lend(tid=list(tid), blocks=[2, 3])["offer"])
     d.allocate(tid=list(tid), blocks=[5, 6])
-    _wait_for_state(d, tid, "draining")  # past max_read_s (1); the drain ends a max_read_s later
+    _wait_for_state(d, tid, "draining")  # past max_read_s (3): the test looks within the drain, as long
     assert not [e for e in d.events_of("free") if e["tid"] == list(tid)]
     assert d.peer.transport.land_stalled() == 1
     assert "max_read_s" in d.wait("failed", tid)["reason"]

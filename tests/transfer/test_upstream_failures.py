@@ -130,9 +130,11 @@ def test_vllm_58222_held_kv_whose_lease_ran_out_is_freed_in_time_under_churn(ran
                 d.offered(tid=list(tid), offer=offer)
                 d.allocate(tid=list(tid), blocks=dst)
         handed[tid] = (time.monotonic(), src)
-    # A lender's loan lasts its lease plus a READ's grace (max_read_s) and the skew allowance; the
-    # writer's lease ends at its next tick. Then one more tick, and a loaded machine's slack.
-    bound = lease_s + (0.5 + 0.2 if mode == "pull" else 0) + 1.0
+    # The rule (no lapsed lease waits behind a live one) is the core's, tested with its own clock in
+    # tests/protocol; here, through real threads, each is freed for its lease, within a bound far
+    # below D's watchdog (20 s), whatever the machine's load: a loan lasts its lease plus a READ's
+    # grace (max_read_s) and the skew allowance, the writer's lease ends at its next tick.
+    bound = lease_s + (0.5 + 0.2 if mode == "pull" else 0) + 5.0
     for i, (tid, (at, src)) in enumerate(handed.items()):
         freed = p.wait("free", tid, timeout=10)
         if i % 2:  # never taken
