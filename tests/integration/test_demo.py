@@ -57,6 +57,7 @@ def test_the_demo_passes():
     assert out.count("same tokens as D computing alone") == 6 and "all answers matched" in out
 
 
+@pytest.mark.extended  # a second P and D (about 2.5 min in CI's run): scripts/extended.sh runs it
 def test_a_corrupted_pushed_block_makes_the_demo_fail(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(CORRUPT_ONE_BLOCK)
     rc, out = _demo(decode_env={"PYTHONPATH": str(tmp_path)})
