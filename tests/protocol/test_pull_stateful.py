@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    initialize, precondition, rule, run_state_machine_as_test,
 )
 
 from neuron_disagg.protocol import (
@@ -40,8 +40,9 @@ from neuron_disagg.protocol.lender import LEffect, LEvent, LState
 from neuron_disagg.protocol.rules import Rule
 from neuron_disagg.transfer.memory import MemoryFabric
 
+from .two_cores import POOL, TwoCoresOverALossyNetwork
+
 SHAPE = ModelShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype_bytes=1, block_tokens=1)
-POOL = 24
 OFFER_S = 3.0  # P's offers expire this long after they are made (P's clock)
 LT = LenderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5, tombstone_s=40)
 RT = ReaderTimeouts(max_read_s=2, clock_skew_allowance_s=0.5, tombstone_s=40, suspect_after_s=1.5)
@@ -51,7 +52,9 @@ SECRET = b"pull-stateful-test-secret-012345"
 P_ADDR = "p:1"
 
 
-class PullProtocol(RuleBasedStateMachine):
+class PullProtocol(TwoCoresOverALossyNetwork):
+    P_BOUND, D_BOUND = L_BOUND, R_BOUND
+
     def __init__(self):
         super().__init__()
         self.now = 0.0
@@ -83,8 +86,6 @@ class PullProtocol(RuleBasedStateMachine):
         self.next_request = 0
         self.forged = 0
         self.p_offset = 0.0  # P's clock minus D's (the harness's ``now`` is D's clock and true time)
-        self.probes: list[ProbePeer] = []
-        self.p_incarnation = 0
         self.quarantined: set[TransferId] = set()
 
     # P ahead of D beyond the allowance is left out: D refuses such an offer only when it comes
@@ -92,10 +93,6 @@ class PullProtocol(RuleBasedStateMachine):
     @initialize(offset=st.sampled_from([-3.0, -0.4, 0.0, 0.4]))
     def clocks_disagree(self, offset):
         self.p_offset = offset
-
-    @property
-    def p_now(self) -> float:
-        return self.now + self.p_offset
 
     # -- the harness performs what the cores ask ------------------------------------------------------
     def perform(self, side, actions):
@@ -187,12 +184,6 @@ class PullProtocol(RuleBasedStateMachine):
                     dst[d:d + n] = src[s:s + n]
 
     # -- the router and the two engines --------------------------------------------------------------------
-    def take(self, pool, n):
-        blocks = tuple(sorted(pool)[:n]) if n <= len(pool) else None
-        if blocks:
-            pool.difference_update(blocks)
-        return blocks
-
     @rule(length=st.integers(1, 4), retry=st.booleans())
     def request_arrives(self, length, retry):
         """The router sends the prefill leg; with ``retry`` it re-sends an earlier request."""
@@ -292,33 +283,7 @@ class PullProtocol(RuleBasedStateMachine):
         del self.in_flight[tid]
         self.perform("d", self.d.read_failed(tid, "remote disconnected", self.now))
 
-    # -- D's probes of P -------------------------------------------------------------------------------
-    @precondition(lambda self: self.probes)
-    @rule(i=st.integers(0, 100), fate=st.sampled_from(["alive"] * 3 + ["refused", "unanswered", "unanswered"]))
-    def probe_ends(self, i, fate):
-        probe = self.probes.pop(i % len(self.probes))
-        if fate == "alive":
-            self.perform("d", self.d.probe_answered(probe.peer, probe.rank, f"p{self.p_incarnation}", self.now))
-        else:
-            self.perform("d", self.d.probe_failed(probe.peer, probe.rank, fate == "refused", self.now))
-
-    @rule()
-    def prefill_restarts(self):
-        """Another process answers at P's address from now on; the old one's blocks, in this model,
-        stay readable, so a READ D quarantined may still land."""
-        self.p_incarnation += 1
-
-    # -- the network ------------------------------------------------------------------------------------
-    @precondition(lambda self: self.to_p or self.to_d)
-    @rule(i=st.integers(0, 100), to_p=st.booleans(), fate=st.sampled_from(["deliver"] * 4 + ["dup", "drop"]))
-    def network(self, i, to_p, fate):
-        queue = self.to_p if (to_p and self.to_p) or not self.to_d else self.to_d
-        frame = queue[i % len(queue)]
-        if fate != "dup":
-            queue.remove(frame)
-        if fate != "drop":
-            self.deliver(queue is self.to_p, frame)
-
+    # -- the network (its rule: two_cores.py) ---------------------------------------------------------
     def deliver(self, to_p, frame):
         message = self.codec.decode(frame)
         if to_p:
@@ -347,40 +312,7 @@ class PullProtocol(RuleBasedStateMachine):
         tid = TransferId(f"r{request}", 0)
         self.deliver(True, self.codec.encode(ReadDone(tid, 0, 1) if done else ReadFailed(tid, 0, 1, "late")))
 
-    # -- time -----------------------------------------------------------------------------------------------
-    @rule(dt=st.sampled_from([0.1, 0.4, 1.0, 2.5, 7.0, 30.0]))
-    def time_passes(self, dt):
-        self.now += dt
-        self.perform("p", self.p.tick(self.p_now))
-        self.perform("d", self.d.tick(self.now))
-
-    @rule(steps=st.integers(2, 12))
-    def time_passes_tick_by_tick(self, steps):
-        for _ in range(steps):
-            self.time_passes(0.25)
-
-    # -- invariants ----------------------------------------------------------------------------------------
-    @invariant()
-    def pools_are_conserved(self):
-        held = [b for blocks in self.p_held.values() for b in blocks]
-        assert len(held) == len(set(held)) and not set(held) & self.p_free
-        assert len(held) + len(self.p_free) == POOL
-        used = [b for group in (self.d_owned, self.d_decoding, self.prefix) for blocks in group.values() for b in blocks]
-        assert len(used) == len(set(used)) and not set(used) & self.d_free
-        assert len(used) + len(self.d_free) == POOL
-
-    @invariant()
-    def every_transfer_ends_within_its_bound(self):
-        for side, core, bound, now in (("P", self.p, L_BOUND, self.p_now), ("D", self.d, R_BOUND, self.now)):
-            for entry in core.live():
-                assert now < entry.created_at + bound, (
-                    f"{side} {entry.transfer_id} still {entry.state.name} at {now}, "
-                    f"created {entry.created_at}, bound {bound}")
-
-    @invariant()
-    def nothing_undefined_happened(self):
-        assert not [k for k in list(self.p.counters) + list(self.d.counters) if k.startswith("undefined")]
-
+    # -- the end (time passing, the network and the invariants both modes share: two_cores.py) -----
     def teardown(self):
         """Let time run out: every transfer must end and every block come home."""
         for _ in range(4):
