@@ -29,7 +29,7 @@ from rich.table import Table
 
 from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
-from ..arglists import positive_list
+from .arglists import positive_list
 from . import report
 from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, mean_step_us, pool_churn_prompts,
                    prefill_ms, read_connector, run, scratch_dir, step_quantile_us, thread_cpu_percent)

@@ -1,5 +1,5 @@
 """Comma-separated number lists on the command line (`--rates 1,2,4`, `--input-lens 1024,16384`),
-shared by `neuron-disagg bench` and `neuron-disagg simulate`."""
+for `neuron-disagg bench`."""
 
 from __future__ import annotations
 
