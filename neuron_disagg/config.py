@@ -80,6 +80,10 @@ class Config(BaseModel):
     backend: Literal["auto", "UCX", "LIBFABRIC"] = "auto"
     platform: Literal["auto", "neuron", "cuda", "cpu"] = "auto"
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024)
+    stream: Literal["off", "chunks"] = Field(
+        "chunks", description="push: while a chunked prefill runs, write each step's finished blocks into "
+        "D's registered blocks as soon as that step ends (chunks), so that only the last step's KV is left "
+        "to write once the prefill is done; off writes the whole prompt then (to compare)")
     host_staging: Literal["auto", "always", "never"] | None = Field(
         None, description="move KV through host memory: auto = only if NIXL cannot register the "
         "device's memory, always, or never (fail at start-up). Unset: auto on Neuron (some runtimes "

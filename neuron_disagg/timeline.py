@@ -32,7 +32,8 @@ EVENTS = {
     "p_scheduled": "P's scheduler allocated its blocks: prefill starts",
     "p_kv_ready": "P's KV is computed: its worker after the forward, or its scheduler at the request's end",
     "p_registration": "P's writer received D's registration",
-    "p_write_posted": "P's writer started posting the WRITE",
+    "p_chunk_posted": "P's writer started posting the first WRITE of finished chunks (streaming)",
+    "p_write_posted": "P's writer started posting the last WRITE (the one D is notified of)",
     "p_write_done": "P's writer saw the WRITE complete",
     "d_arrived": "D's API server created the request",
     "d_allocated": "D's scheduler allocated the destination blocks",
@@ -46,7 +47,7 @@ EVENTS = {
 # A P with TP > 1 marks once per rank: the transfer is as early as its first arrival and as late
 # as its last rank.
 _EARLIEST = {"router_arrived", "p_arrived", "p_scheduled", "p_kv_ready", "d_arrived", "d_allocated",
-             "p_registration"}
+             "p_registration", "p_chunk_posted"}
 
 
 class Timeline:

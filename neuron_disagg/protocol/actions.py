@@ -12,12 +12,13 @@ from .plan import WritePlan
 @dataclass(frozen=True, slots=True)
 class SubmitWrite:
     """P: post the plan's WRITEs; each D rank's WRITE carries ``notification`` as its completion
-    notice. Report the outcome as ``write_done`` or ``write_failed`` on the producer core."""
+    notice (None: a write of chunks, which D hears nothing of). Report the outcome as
+    ``write_done`` or ``write_failed`` on the producer core."""
 
     transfer_id: TransferId
     plan: WritePlan
     d_side_channel: str
-    notification: WriteDone
+    notification: WriteDone | None
 
 
 @dataclass(frozen=True, slots=True)

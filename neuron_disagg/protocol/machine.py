@@ -115,6 +115,8 @@ class StateMachine(Generic[S, E, F, EntryT]):
             self._attempts.setdefault(transfer_id.lineage, set()).add(transfer_id)
         self._supersede(entry, step)
         self._expire_if_due(entry, step)
+        if self.entries.get(transfer_id) is not entry:  # expired back to NEW: forgotten; begin afresh
+            return self._entry(transfer_id, step, create)
         return entry
 
     def _supersede(self, entry: EntryT, step: Step) -> None:
@@ -159,6 +161,8 @@ class StateMachine(Generic[S, E, F, EntryT]):
             if entry.state in self.TERMINAL:
                 entry.deadline = None
                 entry.ended_at = step.now
+            elif entry.state is self.NEW:  # back to unknown: it held nothing, owes no verdict
+                self._forget(entry.transfer_id, keep_attempt=True)
             step.actions.append(
                 Transitioned(entry.transfer_id, before.name, entry.state.name, event.name,
                              step.now, step.reason)
@@ -244,11 +248,13 @@ class StateMachine(Generic[S, E, F, EntryT]):
                 del self._withdrawn[attempt]
         return step.actions
 
-    def _forget(self, transfer_id: TransferId) -> None:
+    def _forget(self, transfer_id: TransferId, keep_attempt: bool = False) -> None:
+        """``keep_attempt``: still supersede older attempts of the lineage (the entry is forgotten
+        long before a tombstone would be)."""
         del self.entries[transfer_id]
         attempts = self._attempts[transfer_id.lineage]
         attempts.discard(transfer_id)
-        if not attempts:
+        if not attempts and not keep_attempt:
             del self._attempts[transfer_id.lineage]
             self._latest_attempt.pop(transfer_id.lineage, None)
 

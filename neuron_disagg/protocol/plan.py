@@ -272,21 +272,29 @@ def plan_write(
     src_block_ids: Sequence[int],
     merge: bool = True,
     total_heads: int | None = None,
+    *,
+    start: int = 0,
+    final: bool = True,
 ) -> WritePlan:
-    """Everything P's rank ``p_rank`` must write for ``registration``. Raises PlanError if the
-    registration is inconsistent with our geometry or block list — before any byte moves.
-    ``merge=False`` keeps one descriptor per block and span: only for measuring what merging saves.
-    ``total_heads``: the model's KV heads, when ranks may hold replicas (see ``writer_ranks``)."""
+    """What P's rank ``p_rank`` must write for ``registration`` from the prompt's block ``start``
+    on: to its end (``final``), or, while the prefill runs, up to the last of ``src_block_ids``, the
+    leading blocks finished so far. Raises PlanError if the registration is inconsistent with our
+    geometry or block list — before any byte moves. ``merge=False`` keeps one descriptor per block
+    and span: only for measuring what merging saves. ``total_heads``: the model's KV heads, when
+    ranks may hold replicas (see ``writer_ranks``)."""
     first = registration.first_block_index
     dst_blocks = np.asarray(registration.block_ids, dtype=np.int64)
-    if first < 0 or first + len(dst_blocks) != len(src_block_ids):
+    wanted = first + len(dst_blocks)
+    if first < 0 or (wanted != len(src_block_ids) if final else wanted < len(src_block_ids)):
         raise PlanError(
             f"decode asks for blocks {first}..{first + len(dst_blocks) - 1} of a request that "
             f"holds {len(src_block_ids)} blocks on prefill"
         )
     if len(np.unique(dst_blocks)) != len(dst_blocks):
         raise PlanError("decode listed one destination block twice")
-    src_blocks = np.asarray(src_block_ids[first:], dtype=np.int64)
+    lo = max(start, first)
+    src_blocks = np.asarray(src_block_ids[lo:], dtype=np.int64)
+    dst_blocks = dst_blocks[lo - first:lo - first + len(src_blocks)]
     ranks = {r.tp_rank: r for r in registration.ranks}
     writes = []
     for d_rank in target_ranks(p_rank, p_tp_size, registration.d_tp_size, total_heads):

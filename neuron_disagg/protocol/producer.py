@@ -1,10 +1,17 @@
-"""The prefill (P) side of one tensor-parallel rank: rendezvous, lease and write fencing.
+"""The prefill (P) side of one tensor-parallel rank: rendezvous, lease, streaming and write fencing.
 
 A transfer starts from whichever arrives first — D's registration or our own "KV ready" — and a
 write is submitted when both are there (the rendezvous). P never submits a write for a
 registration that is cancelled, expired or superseded (invariant I1), answers every registration
-with a verdict D can act on (WriteDone rides on the write; WriteFailed or CancelAck otherwise), and
-frees its own blocks exactly once (I4). Every non-terminal state has a deadline (I3).
+with a verdict D can act on (WriteDone rides on the last write; WriteFailed or CancelAck
+otherwise), and frees its own blocks exactly once (I4). Every non-terminal state has a deadline (I3).
+
+Streaming: while the prefill runs, the engine reports each step's finished blocks (``chunk_ready``:
+the prompt's leading blocks whose KV is final). Once D has registered they are written at once, one
+write in flight per transfer: what finishes meanwhile goes as one merged write when it lands, and
+the last write, which carries WriteDone, is posted only after every earlier one has completed. So
+D's one notification still means every byte landed, and a rewrite (after vLLM preempted the
+prefill and freed its blocks under a write) always lands after the write it corrects.
 
 Every transition of this side is in ``TABLE``; a pair missing from it is a bug in the caller and is
 counted (and raised under ``strict``).
@@ -36,7 +43,12 @@ from .timeouts import DEFAULTS
 
 class PState(enum.Enum):
     NEW = "new"                                  # not yet known; only a lookup key
-    AWAITING_KV = "awaiting_kv"                  # registration in; prefill still running
+    PREFILLING = "prefilling"                    # no registration yet; part of the KV finished (noted)
+    AWAITING_KV = "awaiting_kv"                  # registration in; prefill still running; nothing in flight
+    STREAMING = "streaming"                      # registration in; a write of finished chunks in flight
+    # The prefill request ended under a chunk write: vLLM may already reuse the blocks it reads, so D
+    # is told (WriteFailed) only once the write has ended.
+    ABORTING = "aborting"
     AWAITING_REGISTRATION = "awaiting_registration"  # our KV ready and held under a lease
     WRITING = "writing"
     WRITING_CANCELLED = "writing_cancelled"      # D cancelled while our write was in flight
@@ -61,14 +73,24 @@ class PEvent(enum.Enum):
     EXPIRED = "expired"
     SUPERSEDED = "superseded"
     WITHDRAWN = "withdrawn"  # the router: no D takes this request (Withdraw)
+    CHUNK_READY = "chunk_ready"  # the engine: more of the prompt's blocks are final
+    CHUNK_DONE = "chunk_done"    # a write of chunks (no notification) completed
+    BACKLOG = "backlog"          # ours: finished blocks not yet written, and the registration allows it
+    PREEMPTED = "preempted"      # the engine freed the prefill's blocks: it is computed again
 
 
 class PEffect(enum.Enum):
     ARM_REGISTRATION = "deadline := the registration's expiry"
     HOLD_BLOCKS = "remember the finished blocks"
     START_LEASE = "deadline := now + lease_s"
+    NOTE_FINISHED = "remember the blocks finished so far (a rewrite from the start if they changed)"
+    FORGET_FINISHED = "forget what was finished and written: it is computed again"
+    FORGET = "forget the transfer: it held nothing and owed nobody a verdict"
+    STREAM = "write the KV ready and not yet written: the rest with WriteDone, or the finished chunks"
+    SUBMIT_CHUNK = "plan and submit the finished chunks not yet written; deadline := now + max_write_s"
+    REARM_REGISTRATION = "deadline := the registration's"
     RENEW_LEASE = "deadline := heartbeat's send time + lease_s"
-    SUBMIT_WRITE = "plan (unless kv_coming did) and submit the write; deadline := now + max_write_s"
+    SUBMIT_WRITE = "plan (unless kv_coming did) and submit the last write; deadline := now + max_write_s"
     DRAIN = "deadline := the write's deadline + max_write_s"
     ABORT_WRITE = "release the in-flight write"
     FREE_BLOCKS = "free the held blocks"
@@ -90,16 +112,49 @@ TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     (S.NEW, E.CANCEL): Rule(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),  # tombstone fences a late registration
     (S.NEW, E.ABORT): Rule(S.FAILED, (), "prefill request aborted"),
     (S.NEW, E.SUPERSEDED): Rule(S.CANCELLED, (), "superseded by a newer attempt"),
+    (S.NEW, E.CHUNK_READY): Rule(S.PREFILLING, (F.NOTE_FINISHED, F.START_LEASE)),
+    # -- prefill running, part of it finished, no registration yet: the backlog goes when one comes --
+    (S.PREFILLING, E.CHUNK_READY): Rule(None, (F.NOTE_FINISHED, F.START_LEASE)),
+    (S.PREFILLING, E.REGISTRATION): Rule(S.AWAITING_KV, (F.ARM_REGISTRATION, F.STREAM)),
+    (S.PREFILLING, E.KV_READY): Rule(S.AWAITING_REGISTRATION, (F.HOLD_BLOCKS, F.START_LEASE)),
+    (S.PREFILLING, E.HEARTBEAT): Rule(None, (F.RENEW_LEASE,)),
+    (S.PREFILLING, E.PREEMPTED): Rule(None, (F.FORGET_FINISHED,)),
+    (S.PREFILLING, E.CANCEL): Rule(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),
+    (S.PREFILLING, E.ABORT): Rule(S.FAILED, (), "prefill request aborted"),
+    (S.PREFILLING, E.SUPERSEDED): Rule(S.CANCELLED, (), "superseded by a newer attempt"),
+    (S.PREFILLING, E.WITHDRAWN): Rule(None),  # remembered: the KV is freed when it is ready
+    # A prefill this slow, with no word from D: forgotten, as if never streamed (kv_ready starts afresh).
+    (S.PREFILLING, E.EXPIRED): Rule(S.NEW, (F.FORGET,)),
     # -- registration in, prefill running -------------------------------------------------------
     (S.AWAITING_KV, E.KV_READY): Rule(S.WRITING, (F.HOLD_BLOCKS, F.SUBMIT_WRITE)),
+    (S.AWAITING_KV, E.CHUNK_READY): Rule(None, (F.NOTE_FINISHED, F.STREAM)),
+    (S.AWAITING_KV, E.BACKLOG): Rule(S.STREAMING, (F.SUBMIT_CHUNK,)),
+    (S.AWAITING_KV, E.PREEMPTED): Rule(None, (F.FORGET_FINISHED,)),
     (S.AWAITING_KV, E.REGISTRATION): Rule(None, (F.DROP,)),
     (S.AWAITING_KV, E.HEARTBEAT): Rule(None),
     (S.AWAITING_KV, E.CANCEL): Rule(S.CANCELLED, (F.NOTIFY_CANCEL_ACK,)),
     (S.AWAITING_KV, E.ABORT): Rule(S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "prefill request aborted"),
-    (S.AWAITING_KV, E.EXPIRED): Rule(
-        S.FAILED, (F.NOTIFY_FAILED, F.FAIL), "registration expired before prefill finished"),
+    (S.AWAITING_KV, E.EXPIRED): Rule(  # blocks held only when a chunk write ended past the expiry
+        S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), "registration expired before prefill finished"),
     (S.AWAITING_KV, E.SUPERSEDED): Rule(
         S.CANCELLED, (F.NOTIFY_CANCEL_ACK,), "superseded by a newer attempt"),
+    # -- a write of finished chunks in flight; the prefill may have finished meanwhile (blocks held) --
+    (S.STREAMING, E.CHUNK_DONE): Rule(S.AWAITING_KV, (F.REARM_REGISTRATION, F.STREAM)),
+    (S.STREAMING, E.CHUNK_READY): Rule(None, (F.NOTE_FINISHED,)),  # goes when the write in flight lands
+    (S.STREAMING, E.KV_READY): Rule(None, (F.HOLD_BLOCKS,)),         # the same
+    (S.STREAMING, E.PREEMPTED): Rule(None, (F.FORGET_FINISHED,)),    # rewritten after the write in flight
+    (S.STREAMING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.STREAMING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
+    (S.STREAMING, E.CANCEL): Rule(S.WRITING_CANCELLED),
+    (S.STREAMING, E.SUPERSEDED): Rule(S.WRITING_CANCELLED),
+    (S.STREAMING, E.ABORT): Rule(S.ABORTING, (), "prefill request aborted"),
+    (S.STREAMING, E.HEARTBEAT): Rule(None),
+    (S.STREAMING, E.REGISTRATION): Rule(None, (F.DROP,)),
+    (S.STREAMING, E.WITHDRAWN): Rule(None, (F.DROP,)),
+    (S.ABORTING, E.CHUNK_DONE): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.ABORTING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.ABORTING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
+    (S.ABORTING, E.CANCEL): Rule(None),  # D's cancelled transfer takes the WriteFailed that follows
     # -- KV ready, held under a lease until D registers ----------------------------------------
     (S.AWAITING_REGISTRATION, E.REGISTRATION): Rule(S.WRITING, (F.SUBMIT_WRITE,)),
     (S.AWAITING_REGISTRATION, E.HEARTBEAT): Rule(None, (F.RENEW_LEASE,)),
@@ -124,6 +179,7 @@ TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     (S.WRITING, E.HEARTBEAT): Rule(None),
     (S.WRITING, E.REGISTRATION): Rule(None, (F.DROP,)),
     (S.WRITING_CANCELLED, E.WRITE_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
+    (S.WRITING_CANCELLED, E.CHUNK_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
     (S.WRITING_CANCELLED, E.WRITE_FAILED): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
     (S.WRITING_CANCELLED, E.EXPIRED): Rule(S.DRAINING_CANCELLED, (F.DRAIN,), TIMED_OUT),
     (S.WRITING_CANCELLED, E.CANCEL): Rule(None, (F.DROP,)),
@@ -134,18 +190,29 @@ TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     # -- gave up on the write: until it ends, it may still read our blocks and land in D's -------
     (S.DRAINING, E.WRITE_DONE): Rule(S.DONE, (F.FREE_BLOCKS,)),  # late: D accepts it (TIMING_OUT)
     (S.DRAINING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
+    (S.DRAINING, E.CHUNK_DONE): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
     (S.DRAINING, E.EXPIRED): Rule(S.FAILED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL), TIMED_OUT),
     (S.DRAINING, E.CANCEL): Rule(S.DRAINING_CANCELLED),
     (S.DRAINING, E.SUPERSEDED): Rule(S.DRAINING_CANCELLED),
     (S.DRAINING_CANCELLED, E.WRITE_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS,)),
     (S.DRAINING_CANCELLED, E.WRITE_FAILED): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
+    (S.DRAINING_CANCELLED, E.CHUNK_DONE): Rule(S.CANCELLED, (F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
     (S.DRAINING_CANCELLED, E.EXPIRED): Rule(S.CANCELLED, (F.ABORT_WRITE, F.FREE_BLOCKS, F.NOTIFY_CANCEL_ACK)),
     (S.DRAINING_CANCELLED, E.CANCEL): Rule(None, (F.DROP,)),
     (S.DRAINING_CANCELLED, E.SUPERSEDED): Rule(None),
 }
-for _draining in (S.DRAINING, S.DRAINING_CANCELLED):
+for _draining in (S.DRAINING, S.DRAINING_CANCELLED, S.ABORTING):
     TABLE.update({(_draining, E.ABORT): Rule(None), (_draining, E.WITHDRAWN): Rule(None, (F.DROP,)),
                   (_draining, E.HEARTBEAT): Rule(None, (F.DROP,)), (_draining, E.REGISTRATION): Rule(None, (F.DROP,))})
+TABLE[(S.ABORTING, E.SUPERSEDED)] = Rule(None)
+for _ending in (S.WRITING_CANCELLED, S.DRAINING, S.DRAINING_CANCELLED, S.ABORTING):
+    # The prefill went on under a chunk write the transfer will not use: its blocks go back now (D
+    # decodes nothing of this transfer, so the write may read them reused).
+    TABLE.update({(_ending, E.KV_READY): Rule(None, (F.FREE_LATE_BLOCKS,)),
+                  (_ending, E.CHUNK_READY): Rule(None), (_ending, E.PREEMPTED): Rule(None)})
+for _final in (S.AWAITING_REGISTRATION, S.WRITING):
+    # Every block is held from KV_READY on: no chunk comes after it, and nothing is preempted.
+    TABLE.update({(_final, E.CHUNK_READY): Rule(None, (F.DROP,)), (_final, E.PREEMPTED): Rule(None, (F.DROP,))})
 for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLED, F.NOTIFY_CANCEL_ACK)):
     TABLE.update({
         # A registration or cancel after the end gets the same verdict again, so D never waits.
@@ -156,8 +223,11 @@ for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLE
         (_end, E.ABORT): Rule(None, (F.DROP,)),
         (_end, E.SUPERSEDED): Rule(None),
         (_end, E.WITHDRAWN): Rule(None),
+        (_end, E.CHUNK_READY): Rule(None),
+        (_end, E.PREEMPTED): Rule(None),
         # A completion racing our own abort of the write (ABORT_WRITE on expiry).
         (_end, E.WRITE_DONE): Rule(None, (F.DROP,)),
+        (_end, E.CHUNK_DONE): Rule(None, (F.DROP,)),
         (_end, E.WRITE_FAILED): Rule(None, (F.DROP,)),
     })
 
@@ -169,7 +239,11 @@ class ProducerTransfer(Entry[PState]):
     reply_to: str | None = None  # D's side channel, from its registration or cancel
     d_tp_size: int = 1
     partial: list[Registration] = field(default_factory=list)  # D ranks registered so far (P TP < D TP)
-    planned: tuple[Registration, tuple[int, ...], WritePlan] | None = None  # kv_coming's: for which registration and blocks
+    planned: tuple[Registration, tuple[int, ...], int, WritePlan] | None = None  # kv_coming's: for which registration, blocks and start
+    registration_deadline: float | None = None  # ARM_REGISTRATION's deadline, again after each chunk write
+    finished: tuple[int, ...] = ()  # the prompt's leading blocks whose KV is final (chunk_ready)
+    written: int = 0  # of the prompt's blocks, how many lead blocks went to D (written or in flight)
+    chunk_in_flight: bool = False  # the write in flight is one of chunks (no notification), not the last
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +330,18 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         self._if_withdrawn(entry, step)
         return step.actions
 
+    def chunk_ready(self, transfer_id: TransferId, block_ids: tuple[int, ...], now: float) -> list[Action]:
+        """The prefill runs on: ``block_ids``, the prompt's leading blocks, hold final KV (the step
+        that computed them ended, past its fence). They stay the engine's: nothing is freed for them."""
+        step = Step(self._clock(now), payload=tuple(block_ids))
+        self._fire(self._entry(transfer_id, step, create=True), PEvent.CHUNK_READY, step)
+        return step.actions
+
+    def preempted(self, transfer_id: TransferId, now: float) -> list[Action]:
+        """The engine preempted the prefill and freed its blocks, possibly under a chunk write: what
+        was finished is computed again, and everything written is written again after it."""
+        return self._local(transfer_id, PEvent.PREEMPTED, now, None, quiet=True)
+
     def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> WritePlan | None:
         """The forward that completes this prefill is about to run and its KV will be in
         ``block_ids``: if D has registered, plan the write now, so that ``kv_ready`` only submits
@@ -265,20 +351,22 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         if entry is None or entry.state is not PState.AWAITING_KV or entry.registration is None:
             return None
         try:
-            plan = self._plan(entry.registration, block_ids)
+            plan = self._plan(entry.registration, block_ids, entry.written)
         except PlanError:
             return None  # kv_ready plans again and fails the transfer with the reason
-        entry.planned = (entry.registration, tuple(block_ids), plan)
+        entry.planned = (entry.registration, tuple(block_ids), entry.written, plan)
         return plan
 
     def planned_write(self, transfer_id: TransferId) -> WritePlan | None:
         """The plan ``kv_coming`` made that ``kv_ready`` may still submit, if any."""
         entry = self.entries.get(transfer_id)
-        return entry.planned[2] if entry is not None and entry.planned is not None else None
+        return entry.planned[3] if entry is not None and entry.planned is not None else None
 
     def write_done(self, transfer_id: TransferId, now: float) -> list[Action]:
-        """Every WRITE of the transfer completed (its notification went with it)."""
-        return self._local(transfer_id, PEvent.WRITE_DONE, now, None)
+        """The write in flight completed: the last (its notification went with it) or one of chunks."""
+        entry = self.entries.get(transfer_id)
+        chunk = entry is not None and entry.chunk_in_flight
+        return self._local(transfer_id, PEvent.CHUNK_DONE if chunk else PEvent.WRITE_DONE, now, None)
 
     def write_failed(self, transfer_id: TransferId, reason: str, now: float) -> list[Action]:
         """The write failed and none of it is in flight any more."""
@@ -312,11 +400,13 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         """Time passed: fire lapsed leases, registration expiries and write deadlines."""
         return self._tick(now)
 
-    def _local(self, transfer_id: TransferId, event: PEvent, now: float, reason: str | None) -> list[Action]:
+    def _local(self, transfer_id: TransferId, event: PEvent, now: float, reason: str | None,
+               quiet: bool = False) -> list[Action]:
         step = Step(self._clock(now), reason=reason)
         entry = self.entries.get(transfer_id)
         if entry is None:
-            self._drop(f"{event.value}:unknown")
+            if not quiet:
+                self._drop(f"{event.value}:unknown")
             return []
         self._fire(entry, event, step)
         return step.actions
@@ -332,6 +422,24 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         if effect is F.ARM_REGISTRATION:
             entry.registration = step.payload
             entry.deadline = min(step.payload.expires_at, step.now + t.watchdog_s + t.clock_skew_allowance_s)
+            entry.registration_deadline = entry.deadline
+        elif effect is F.REARM_REGISTRATION:
+            entry.deadline = entry.registration_deadline
+        elif effect is F.NOTE_FINISHED:
+            if step.payload[:entry.written] != entry.finished[:entry.written]:
+                self.counters["stream_rewritten"] += 1  # other blocks than those written: all again
+                entry.written = 0
+            entry.finished = step.payload
+        elif effect is F.FORGET_FINISHED:
+            if entry.written:
+                self.counters["stream_rewritten"] += 1
+            entry.finished, entry.written = (), 0
+        elif effect is F.FORGET:
+            entry.finished, entry.written, entry.deadline = (), 0, None
+        elif effect is F.STREAM:
+            self._stream(entry, step)
+        elif effect is F.SUBMIT_CHUNK:
+            self._submit(entry, step, chunk=True)
         elif effect is F.HOLD_BLOCKS:
             entry.block_ids = step.payload
         elif effect is F.START_LEASE:
@@ -376,15 +484,30 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         step.actions.append(SendMessage(peer, target_ranks(self.tp_rank, self.tp_size, d_tp, self.total_heads),
                                         message))
 
-    def _submit(self, entry: ProducerTransfer, step: Step) -> None:
+    def _stream(self, entry: ProducerTransfer, step: Step) -> None:
+        """Nothing in flight: write what is ready — the rest, once the prefill finished; else the
+        finished chunks D registered and has not been sent — unless the registration lapsed."""
+        if entry.deadline is not None and step.now >= entry.deadline:
+            self._expire_if_due(entry, step)
+        elif entry.block_ids is not None:
+            self._fire(entry, PEvent.KV_READY, Step(step.now, payload=entry.block_ids, actions=step.actions))
+        elif entry.registration is not None and len(entry.finished) > max(
+                entry.written, entry.registration.first_block_index):
+            self._fire(entry, PEvent.BACKLOG, Step(step.now, actions=step.actions))
+
+    def _submit(self, entry: ProducerTransfer, step: Step, chunk: bool = False) -> None:
         reg, planned = entry.registration, entry.planned
-        assert reg is not None and entry.block_ids is not None  # SUBMIT_WRITE follows ARM_REGISTRATION and HOLD_BLOCKS
+        blocks = entry.finished if chunk else entry.block_ids
+        assert reg is not None and blocks is not None  # SUBMIT_WRITE follows ARM_REGISTRATION and HOLD_BLOCKS
+        if not chunk and blocks[:entry.written] != entry.finished[:entry.written]:
+            self.counters["stream_rewritten"] += 1  # computed again in other blocks: written again
+            entry.written = 0
         try:
-            if planned is not None and planned[0] is reg and planned[1] == entry.block_ids:
-                plan = planned[2]
+            if not chunk and planned is not None and planned[0] is reg and planned[1:3] == (blocks, entry.written):
+                plan = planned[3]
                 self.counters["write_planned_ahead"] += 1
             else:
-                plan = self._plan(reg, entry.block_ids)
+                plan = self._plan(reg, blocks, entry.written, final=not chunk)
         except PlanError as exc:
             self.counters["registration_rejected"] += 1
             step.payload = None
@@ -392,10 +515,14 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
                                                          actions=step.actions))
             return
         entry.deadline = step.now + self.timeouts.max_write_s
+        entry.written, entry.chunk_in_flight = len(blocks), chunk
+        if chunk:
+            self.counters["chunk_writes"] += 1
         step.actions.append(SubmitWrite(
             entry.transfer_id, plan, reg.d_side_channel,
-            WriteDone(entry.transfer_id, self.tp_rank, self.tp_size)))
+            None if chunk else WriteDone(entry.transfer_id, self.tp_rank, self.tp_size)))
 
-    def _plan(self, registration: Registration, block_ids: tuple[int, ...]) -> WritePlan:
+    def _plan(self, registration: Registration, block_ids: tuple[int, ...], start: int = 0,
+              final: bool = True) -> WritePlan:
         return plan_write(self.regions, self.tp_rank, self.tp_size, registration, block_ids,
-                          self.merge_descriptors, self.total_heads)
+                          self.merge_descriptors, self.total_heads, start=start, final=final)

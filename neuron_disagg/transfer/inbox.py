@@ -20,6 +20,23 @@ class KvReady:
 
 
 @dataclass(frozen=True, slots=True)
+class KvChunk:
+    """Engine, P: a prefill runs on; its leading ``block_ids`` hold final KV once ``fence`` passed.
+    The blocks stay the engine's."""
+
+    transfer_id: TransferId
+    block_ids: tuple[int, ...]
+    fence: KVFence | None
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """Engine, P: the prefill was preempted and its blocks freed; it is computed again."""
+
+    transfer_id: TransferId
+
+
+@dataclass(frozen=True, slots=True)
 class KvComing:
     """Engine, P: the forward about to run completes this prefill, into these blocks."""
 

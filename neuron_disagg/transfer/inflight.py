@@ -184,7 +184,8 @@ class InFlight:
                 failed.append((tid, str(exc)))
                 continue
             if finished and not batch.parked:
-                self.done_seconds.append(time.perf_counter() - batch.started)
+                if batch.frame:  # a transfer's last write; not one of chunks while the prefill ran
+                    self.done_seconds.append(time.perf_counter() - batch.started)
                 self.release(tid)
                 done.append(tid)
             running = running or not finished

@@ -251,8 +251,9 @@ class InMemoryTransport(Transport):
     def _land(self, write: RankWrite, target: InMemoryTransport, notification: bytes) -> None:
         for s, d, n in zip(write.src_addr.tolist(), write.dst_addr.tolist(), write.length.tolist(), strict=True):
             ctypes.memmove(d, s, n)
-        with target._inbox_lock:
-            target._inbox.append((self.name, notification))
+        if notification:  # NIXL sends none for an empty one
+            with target._inbox_lock:
+                target._inbox.append((self.name, notification))
 
     def land_stalled(self) -> int:
         """Tests: complete every stalled transfer, released or not. Returns how many."""

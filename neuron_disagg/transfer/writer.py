@@ -23,7 +23,7 @@ from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Wit
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence
-from .inbox import Abort, Deliver, KvComing, KvReady, PeerReady
+from .inbox import Abort, Deliver, KvChunk, KvComing, KvReady, PeerReady, Preempted
 from .inflight import InFlight, Part
 from .outbox import Freed, Outbox
 from .peers import Peers
@@ -44,8 +44,9 @@ class PushWriter(TransferThread[ProducerCore]):
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
                                self.stats)
-        self._handlers.update({KvComing: self._kv_coming, KvReady: self._kv_ready, Abort: self._abort,
-                               Deliver: self._message, PeerReady: self._peer_ready})
+        self._handlers.update({KvComing: self._kv_coming, KvReady: self._kv_ready, KvChunk: self._kv_chunk,
+                               Preempted: self._preempted, Abort: self._abort, Deliver: self._message,
+                               PeerReady: self._peer_ready})
         self._performers.update({SubmitWrite: self._submit, AbortWrite: lambda a: self.writes.release(a.transfer_id),
                                  FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids),
                                  FailTransfer: self._count_failure})
@@ -58,6 +59,17 @@ class PushWriter(TransferThread[ProducerCore]):
         ``ready_at``: this thread marks the timeline's p_kv_ready then (a file write on the engine
         loop cost it 35-110 us a step in the bench)."""
         self._inbox.put(KvReady(transfer_id, tuple(block_ids), fence, ready_at))
+
+    def kv_chunk(self, transfer_id: TransferId, block_ids: tuple[int, ...], fence: KVFence | None = None) -> None:
+        """Engine, after a step of a prefill that runs on: ``block_ids``, the prompt's leading
+        blocks, hold final KV once ``fence`` has passed. They stay the engine's."""
+        if self.staging is None:  # staging copies whole prefills; it streams nothing
+            self._inbox.put(KvChunk(transfer_id, tuple(block_ids), fence))
+
+    def preempted(self, transfer_id: TransferId) -> None:
+        """Engine: the prefill was preempted and its blocks freed; it is computed again."""
+        if self.staging is None:
+            self._inbox.put(Preempted(transfer_id))
 
     def kv_coming(self, transfer_id: TransferId, block_ids: tuple[int, ...]) -> None:
         """Engine, before the forward that completes this prefill: plan its write during the
@@ -93,6 +105,14 @@ class PushWriter(TransferThread[ProducerCore]):
             self._stage(item.transfer_id, item.block_ids)
             self._perform(())  # a copy that ran at once reported to the core (deferred)
 
+    def _kv_chunk(self, item: KvChunk, now: float) -> None:
+        if item.fence is not None:
+            item.fence.wait()
+        self._perform(self.core.chunk_ready(item.transfer_id, item.block_ids, now))
+
+    def _preempted(self, item: Preempted, now: float) -> None:
+        self._perform(self.core.preempted(item.transfer_id, now))
+
     def _abort(self, item: Abort, now: float) -> None:
         blocks = self.staging.withdraw(item.transfer_id) if self.staging else None
         if blocks is not None:  # never copied: the engine's blocks go straight back
@@ -126,8 +146,10 @@ class PushWriter(TransferThread[ProducerCore]):
         self.writes.keep_prepared(lambda tid, plan: self.core.planned_write(tid) is plan)
         done, failed = self.writes.poll()
         for tid in done:
-            self.timeline.mark(tid, "p_write_done")
-            self.stats["done"] += 1
+            entry = self.core.entries.get(tid)
+            if entry is None or not entry.chunk_in_flight:
+                self.timeline.mark(tid, "p_write_done")
+                self.stats["done"] += 1
             self._perform(self.core.write_done(tid, time.time()))
         for tid, reason in failed:
             self._perform(self._failed(tid, reason))
@@ -166,19 +188,27 @@ class PushWriter(TransferThread[ProducerCore]):
         log.warning("transfer %s failed: %s", action.transfer_id, action.reason)
 
     def _submit(self, submit: SubmitWrite) -> None:
+        notification = submit.notification
+        parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
+        if notification is None:  # finished chunks, while the prefill runs: D hears nothing of them
+            self.stats["chunk_writes"] += 1
+            self.timeline.mark(submit.transfer_id, "p_chunk_posted")
+            return self._post(submit, parts, b"")
         self.stats["writes"] += 1
-        if not submit.plan.writes:  # full prefix hit on D: nothing to move, only the notice
-            self.peers.send(submit.d_side_channel, (0,), submit.notification)
+        if not submit.plan.writes:  # nothing left to move (a full prefix hit on D): only the notice
+            self.peers.send(submit.d_side_channel, (0,), notification)
             for event in ("p_write_posted", "p_write_done"):
                 self.timeline.mark(submit.transfer_id, event)
             return self._then(lambda: self.core.write_done(submit.transfer_id, time.time()))
-        parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
         # D waits for notifications lazily until told a write is coming (messages.WriteStarting).
         self.peers.send(submit.d_side_channel, tuple(sorted({part.peer_rank for part in parts})),
                         WriteStarting(submit.transfer_id, self.core.tp_rank))
         # Marked before posting: with UCX's cma the copy, and D's notification, happen inside it.
         self.timeline.mark(submit.transfer_id, "p_write_posted")
-        error = self.writes.submit(submit.transfer_id, "WRITE", parts, self.codec.encode(submit.notification))
+        self._post(submit, parts, self.codec.encode(notification))
+
+    def _post(self, submit: SubmitWrite, parts: list[Part], frame: bytes) -> None:
+        error = self.writes.submit(submit.transfer_id, "WRITE", parts, frame)
         if error:
             self._then(lambda: self._failed(submit.transfer_id, error))
 

@@ -83,7 +83,8 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
                 async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
                 self.scheduler_side = PrefillScheduler(block_size, signer, timeline=timeline,
                                                        async_scheduling=async_scheduling,
-                                                       accept_unsigned=self.config.accept_unsigned_prefill_legs)
+                                                       accept_unsigned=self.config.accept_unsigned_prefill_legs,
+                                                       stream=self.config.stream == "chunks")
             else:
                 self.scheduler_side = DecodeScheduler(block_size, signer, timeline=timeline)
         else:

@@ -66,6 +66,9 @@ class StepMetadata(KVConnectorMetadata):
     kv_ready: list[HandOff] = field(default_factory=list)          # P, push
     kv_ready_after_forward: list[HandOff] = field(default_factory=list)  # this step's forward ends them
     kv_coming: list[HandOff] = field(default_factory=list)  # so do these; handed over next step (async)
+    # Prefills this step's forward takes further without ending: their leading blocks, final after it.
+    chunks_after_forward: list[HandOff] = field(default_factory=list)
+    preempted: list[TransferId] = field(default_factory=list)  # P: streamed prefills vLLM preempted
     lend: list[OfferMade] = field(default_factory=list)     # P, pull
     read: list[ReadOffer] = field(default_factory=list)     # D, pull
     abort: list[Abort] = field(default_factory=list)        # either: the request ended first
@@ -74,7 +77,8 @@ class StepMetadata(KVConnectorMetadata):
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.register or self.kv_ready or self.kv_ready_after_forward
-                    or self.kv_coming or self.lend or self.read or self.abort)
+                    or self.kv_coming or self.chunks_after_forward or self.preempted or self.lend or self.read
+                    or self.abort)
 
 
 @dataclass

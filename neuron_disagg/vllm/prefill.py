@@ -70,8 +70,9 @@ class PrefillScheduler(SchedulerSide):
     role, TABLE, HOLDING = "prefill", PREFILL_TABLE, frozenset({_P.HANDED_OFF})
 
     def __init__(self, block_size: int, signer: leg_params.ParamsSigner, offers: OfferMaker | None = None,
-                 async_scheduling: bool = False, accept_unsigned: bool = False, **kwargs):
+                 async_scheduling: bool = False, accept_unsigned: bool = False, stream: bool = True, **kwargs):
         super().__init__(block_size, signer, **kwargs)
+        self.stream = stream  # push: each step's finished blocks go to the writer as the prefill runs
         self.accept_unsigned = accept_unsigned  # llm-d's sidecar: legs with vLLM's do_remote_decode only
         # vLLM schedules step N+1 before step N's output is in: a prefill that ends in step N is
         # handed over at step N+1's start (once we know N+1 did not preempt it), not after N's forward.
@@ -191,6 +192,9 @@ class PrefillScheduler(SchedulerSide):
             rid = leg.request_id
             if rid in preempted:  # its blocks are gone; what it gets next is not followed here
                 self._stop_following(leg)
+                if leg.streamed_blocks:  # written from blocks vLLM may reuse now: written again
+                    leg.streamed_blocks = 0
+                    self._step.preempted.append(leg.key)
                 if leg.state is _P.LAST_CHUNK:
                     self._fire(leg, _E.PREEMPTED)
                 continue
@@ -211,6 +215,7 @@ class PrefillScheduler(SchedulerSide):
                     leg.block_ids = tuple(added[0]) if resumed else leg.block_ids + tuple(added[0])
                 computed = cached.num_computed_tokens[i]
             if computed + scheduled[rid] < leg.prompt_tokens:
+                self._stream_chunk(leg, computed + scheduled[rid])
                 continue
             if self.async_scheduling:
                 self._fire(leg, _E.LAST_CHUNK)
@@ -218,6 +223,15 @@ class PrefillScheduler(SchedulerSide):
                     self._step.kv_coming.append(HandOff(leg.key, rid, self._prompt_blocks(leg)))
             else:
                 self._hand_off_early(leg, after_forward=True)
+
+    def _stream_chunk(self, leg: Leg, computed_after_step: int) -> None:
+        """Streaming: the prompt's blocks this step's forward fills go to the writer once it ends."""
+        full = computed_after_step // self.block_size
+        if not self.stream or full <= leg.streamed_blocks or self._taken(leg.key, leg.request_id):
+            return
+        leg.streamed_blocks = full
+        self._step.chunks_after_forward.append(HandOff(leg.key, leg.request_id, leg.block_ids[:full]))
+        self.counts["chunks_streamed"] += 1
 
     def _prompt_blocks(self, leg: Leg) -> tuple[int, ...]:
         return leg.block_ids[:self.block_count(leg.prompt_tokens)]
@@ -248,15 +262,19 @@ class PrefillWorker(WorkerSide):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._after_forward: list[HandOff] = []  # this step's hand-offs, for after its forward
+        self._chunks_after_forward: list[HandOff] = []  # this step's streamed chunks, the same
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""
-        if self._after_forward:  # the last step's forward ended without after_forward (never seen)
+        if self._after_forward or self._chunks_after_forward:  # the last forward ended without after_forward (never seen)
             self.after_forward()
         # One fence per step, recorded on the engine thread (never waited on here): the writer waits
         # on it before reading finished KV.
         self._to_writer(step.kv_ready, self.platform.wait_for_kv() if step.kv_ready else None)
         self._after_forward = step.kv_ready_after_forward
+        self._chunks_after_forward = step.chunks_after_forward
+        for tid in step.preempted:  # before this step's forward reuses any of their blocks
+            self.rank.push.preempted(tid)
         for r in (*step.kv_coming, *self._after_forward):  # this forward computes their last tokens:
             self.rank.push.kv_coming(r.transfer_id, r.block_ids)  # the writer plans their writes meanwhile
         for lend in step.lend:  # our own scheduler's offer: no need to verify it
@@ -273,8 +291,13 @@ class PrefillWorker(WorkerSide):
         """After the step's forward (``wait_for_save``): prefills that forward completed go to the
         writer now, not a step later, with a fence recorded behind the forward."""
         ready, self._after_forward = self._after_forward, []
-        if ready:
-            self._to_writer(ready, self.platform.wait_for_kv(), time.time())
+        chunks, self._chunks_after_forward = self._chunks_after_forward, []
+        if ready or chunks:
+            fence = self.platform.wait_for_kv()  # one for the step: everything below was computed in it
+            for c in chunks:
+                self.rank.push.kv_chunk(c.transfer_id, c.block_ids, fence)
+            if ready:
+                self._to_writer(ready, fence, time.time())
 
     def _to_writer(self, ready: list[HandOff], fence, ready_at: float | None = None) -> None:
         # The puts wake the writer last: once it runs, anything here that waits (a lock, a file

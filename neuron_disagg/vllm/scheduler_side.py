@@ -114,6 +114,7 @@ class Leg:
     # at the request's end a step later. Only for a request that ends with that step (max_tokens 1,
     # as the router sends), whose blocks are followed from the scheduler's output since it started.
     early: bool = False
+    streamed_blocks: int = 0  # P, push, streaming: the leading blocks handed to the writer as chunks
     awaiting_first_step: bool = False  # D, timeline on: loaded and not yet scheduled
     kv_blocks: list[Any] = field(default_factory=list)  # D: vLLM's KVCacheBlock objects behind block_ids
     request: Any = None  # D: vLLM's request, whose failed load restarts in fresh blocks (compat)

@@ -37,6 +37,11 @@ COUNTS = {
                        "request's end",
     "connector_bugs": "scheduler-side events no state table allows, or early hand-offs whose blocks differ "
                       "from vLLM's (each logged as an error; stays 0)",
+    "chunks_streamed": "P: prefill steps whose finished blocks went to the writer as the prefill ran (streaming)",
+    "chunk_writes": "P: writes of finished chunks posted while the prefill ran (one in flight per transfer; "
+                    "what finishes meanwhile goes merged in the next)",
+    "streams_rewritten": "P: streamed transfers written again from their start, the prefill having been "
+                         "preempted (its blocks freed, maybe under a write) and computed again",
     "writes_planned_ahead": "P writes planned while the prefill's last forward ran, so that the write waited "
                             "for no plan (of transfers; the rest: D registered after that forward)",
     "writes_prepared_ahead": "P WRITEs (one per D rank) whose NIXL request was built while the prefill's last "

@@ -6,7 +6,12 @@ never really dies, may still write into it. After every step: I1 (writes only fo
 current registrations), I2 (no D block freed or reused under a write, quarantined or not), I3
 (every transfer terminal within its bound), I4 (blocks freed exactly once; pools whole at the end),
 I7 in miniature (the bytes D hands to decode are exactly P's KV for those positions, including
-after prefix hits; nothing quarantined is ever handed to decode)."""
+after prefix hits; nothing quarantined is ever handed to decode).
+
+P streams: while a prefill runs, its finished blocks are written as chunks, one write in flight per
+transfer, and the engine may preempt the prefill and hand its blocks to another request at once,
+under a chunk write that then carries someone else's bytes: what D decodes must still be exactly
+P's KV, so the stream is written again after the recompute, and never overtaken."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from neuron_disagg.protocol import (
     Heartbeat, MessageError, ProducerCore, ProducerTimeouts, RankRegions, Registration,
     SendMessage, SubmitWrite, TransferId, Transitioned, WireCodec, WriteDone, WriteFailed,
 )
-from neuron_disagg.protocol import consumer
+from neuron_disagg.protocol import consumer, producer
 from neuron_disagg.protocol.actions import ProbePeer, Quarantine
 from neuron_disagg.protocol.consumer import DEffect, DEvent
 from neuron_disagg.protocol.rules import Rule
@@ -73,6 +78,7 @@ class PushProtocol(TwoCoresOverALossyNetwork):
         self.p_offset = 0.0  # P's clock minus D's (the harness's ``now`` is D's clock and true time)
         self.quarantined: set[TransferId] = set()  # D's request went on without these transfers' blocks
         self.reached_p: set[bytes] = set()  # frames P has received (a duplicated one stays queued too)
+        self.p_computed: dict[TransferId, int] = {}  # a running prefill's finished blocks
 
     @initialize(offset=st.sampled_from([-3.0, -0.4, 0.0, 0.4, 3.0]))
     def clocks_disagree(self, offset):
@@ -83,6 +89,7 @@ class PushProtocol(TwoCoresOverALossyNetwork):
         for action in actions:
             if isinstance(action, SubmitWrite):
                 self.check_write_is_current(action)
+                assert action.transfer_id not in self.in_flight, f"{action.transfer_id}: a second write in flight"
                 self.in_flight[action.transfer_id] = action
             elif isinstance(action, AbortWrite):
                 self.in_flight.pop(action.transfer_id, None)
@@ -172,7 +179,8 @@ class PushProtocol(TwoCoresOverALossyNetwork):
         (kv_coming), and whether they are those the forward used: a plan made for other blocks
         must never be written."""
         tid = self.prefilling.pop(i % len(self.prefilling))
-        blocks = self.take(self.p_free, self.length[tid.request])
+        blocks = self.p_engine.pop(tid, None) or self.take(self.p_free, self.length[tid.request])
+        self.p_computed.pop(tid, None)
         if blocks is None:
             self.perform("p", self.p.abort(tid, "prefill out of blocks", self.p_now))
             return
@@ -182,6 +190,63 @@ class PushProtocol(TwoCoresOverALossyNetwork):
             self._block("p", block, self.pattern(tid.request, pos))
         self.p_held[tid] = blocks
         self.perform("p", self.p.kv_ready(tid, blocks, self.p_now))
+
+    @precondition(lambda self: self.prefilling)
+    @rule(i=st.integers(0, 100), steps=st.integers(1, 3))
+    def prefill_step_ends(self, i, steps):
+        """A step of a chunked prefill ends: ``steps`` more blocks are final (never the last one,
+        which only the prefill's end completes), and the writer hears of every finished block."""
+        tid = self.prefilling[i % len(self.prefilling)]
+        n = self.length[tid.request]
+        if n < 2:
+            return
+        if tid not in self.p_engine:
+            blocks = self.take(self.p_free, n)
+            if blocks is None:
+                return
+            self.p_engine[tid], self.p_computed[tid] = blocks, 0
+        blocks = self.p_engine[tid]
+        done = self.p_computed[tid] = min(n - 1, self.p_computed[tid] + steps)
+        for pos in range(done):
+            self._block("p", blocks[pos], self.pattern(tid.request, pos))
+        self.perform("p", self.p.chunk_ready(tid, blocks[:done], self.p_now))
+
+    @rule(length=st.integers(2, 4), hit=st.integers(0, 2), steps=st.integers(1, 3))
+    def request_streams(self, length, hit, steps):
+        """The common shape, made common here too: D registers at once, its registration reaches P
+        before P's first step ends, and that step's blocks go out while the prefill runs on."""
+        self.request_arrives(length, False)
+        tid = self.prefilling[-1]
+        self.pending_on_d.remove(tid)
+        self.pending_on_d.append(tid)
+        self.decode_allocates(len(self.pending_on_d) - 1, hit)
+        for frame in [f for f in self.to_p if isinstance(self.codec.decode(f), Registration)]:
+            self.to_p.remove(frame)
+            self.deliver(True, frame)
+        self.prefill_step_ends(len(self.prefilling) - 1, steps)
+
+    @precondition(lambda self: self.p_engine)
+    @rule(i=st.integers(0, 100))
+    def prefill_is_preempted(self, i):
+        """The engine preempts a running prefill: its blocks go back to the pool and to another
+        request at once (here: overwritten), maybe under a chunk write; it is computed again later."""
+        tid = sorted(self.p_engine, key=str)[i % len(self.p_engine)]
+        self.release_engine_blocks(tid)
+        self.perform("p", self.p.preempted(tid, self.p_now))
+
+    @precondition(lambda self: self.prefilling)
+    @rule(i=st.integers(0, 100))
+    def prefill_request_ends_early(self, i):
+        """The prefill request is aborted while it runs (the client left): its blocks go back at once."""
+        tid = self.prefilling.pop(i % len(self.prefilling))
+        self.release_engine_blocks(tid)
+        self.perform("p", self.p.abort(tid, "client disconnected", self.p_now))
+
+    def release_engine_blocks(self, tid):
+        for block in self.p_engine.pop(tid, ()):
+            self._block("p", block, bytes([0xEE]) * (len(self.regions) * self.regions[0].block_bytes))
+            self.p_free.add(block)
+        self.p_computed.pop(tid, None)
 
     @precondition(lambda self: self.pending_on_d)
     @rule(i=st.integers(0, 100), hit=st.integers(0, 4))
@@ -241,8 +306,9 @@ class PushProtocol(TwoCoresOverALossyNetwork):
             owned = self.d_owned.get(tid)
             assert owned is not None, f"I2: {tid} wrote into blocks D no longer holds for it"
         self.fabric.execute("p", submit.plan)
-        self.landed.add(tid)
-        self.to_d.append(self.codec.encode(submit.notification))
+        if submit.notification is not None:  # the last write: D hears of it; chunks are silent
+            self.landed.add(tid)
+            self.to_d.append(self.codec.encode(submit.notification))
         self.perform("p", self.p.write_done(tid, self.p_now))
 
     @precondition(lambda self: self.in_flight)
@@ -321,6 +387,8 @@ class PushProtocol(TwoCoresOverALossyNetwork):
     # -- the end (time passing, the network and the invariants both modes share: two_cores.py) -----
     def teardown(self):
         """Let time run out: every transfer must end and every block come home."""
+        while self.prefilling:
+            self.prefill_request_ends_early(0)
         for _ in range(4):
             while self.to_p or self.to_d:
                 queue = self.to_p or self.to_d
@@ -348,9 +416,62 @@ def test_the_push_state_machine_test_catches_a_decode_that_frees_quarantined_blo
     # them. A table that frees them at once hands vLLM blocks a late write can land in.
     monkeypatch.setitem(consumer.TABLE, (DState.REGISTERED, DEvent.SUSPECTED),
                         Rule(DState.FAILED, (DEffect.SEND_CANCEL, DEffect.FREE_BLOCKS, DEffect.QUARANTINE)))
-    # Caught where the harness takes the quarantine over (the blocks are no longer D's to hold) or
-    # where a late write lands in them (I2). Generation only: shrinking would take most of a minute.
-    with pytest.raises(AssertionError, match="quarantined twice or unowned|I2"):
+    # Caught where the harness takes the quarantine over (the blocks are no longer D's to hold),
+    # where a late write lands in them (I2), or where their books no longer balance at the end (I4).
+    # Generation only: shrinking would take most of a minute.
+    with pytest.raises(AssertionError, match="quarantined twice or unowned|I2|I4"):
         run_state_machine_as_test(PushProtocol, settings=settings(
             PushProtocol.TestCase.settings, max_examples=300, derandomize=True, database=None,
             phases=[Phase.generate]))
+
+
+_P, _PE, _PF = producer.PState, producer.PEvent, producer.PEffect
+STREAM_BREAKAGES = {
+    # The last write is posted while a chunk write is still in flight: its notification may overtake it.
+    "notified before the chunks landed": (
+        (_P.STREAMING, _PE.KV_READY), Rule(_P.WRITING, (_PF.HOLD_BLOCKS, _PF.SUBMIT_WRITE)), "second write in flight"),
+    # The prefill request ends under a chunk write and D is told at once: D frees blocks being written.
+    "failed under a chunk write": (
+        (_P.STREAMING, _PE.ABORT), Rule(_P.FAILED, (_PF.NOTIFY_FAILED, _PF.FAIL), "aborted"), "I2"),
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(STREAM_BREAKAGES))
+def test_the_push_state_machine_test_catches_each_broken_streaming_row(monkeypatch, breakage):
+    key, row, caught_as = STREAM_BREAKAGES[breakage]
+    monkeypatch.setitem(producer.TABLE, key, row)
+    with pytest.raises(AssertionError, match=caught_as):
+        run_state_machine_as_test(PushProtocol, settings=settings(
+            PushProtocol.TestCase.settings, max_examples=300, derandomize=True, database=None,
+            phases=[Phase.generate]))
+
+
+def preempted_under_a_chunk_write(machine: PushProtocol) -> None:
+    """The race by hand: a chunk write in flight when the engine preempts the prefill and hands its
+    blocks to another request, so the write carries that request's bytes; the prefill is computed
+    again in the same blocks (the lowest free ones) and finishes, and D decodes."""
+    machine.clocks_disagree(0.0)
+    machine.request_streams(length=4, hit=0, steps=2)
+    (tid,) = machine.in_flight
+    machine.prefill_is_preempted(0)
+    machine.write_lands(0)  # another request's bytes land in D's first two blocks
+    machine.prefill_finishes(0, "not")
+    while machine.in_flight or machine.to_d:
+        if machine.in_flight:
+            machine.write_lands(0)
+        while machine.to_d:
+            machine.deliver(False, machine.to_d.pop(0))
+    assert tid in machine.d_decoding
+
+
+def test_a_prefill_preempted_under_a_chunk_write_is_written_again_before_d_decodes_it():
+    machine = PushProtocol()
+    preempted_under_a_chunk_write(machine)  # finish_load checks every position's bytes (I7)
+    assert machine.p.counters["stream_rewritten"] == 1
+    machine.teardown()
+
+
+def test_the_preemption_race_is_caught_when_the_stream_is_not_written_again(monkeypatch):
+    monkeypatch.setitem(producer.TABLE, (_P.STREAMING, _PE.PREEMPTED), Rule(None))
+    with pytest.raises(AssertionError, match="I7: .* position 0 corrupt"):
+        preempted_under_a_chunk_write(PushProtocol())

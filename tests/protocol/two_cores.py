@@ -23,6 +23,7 @@ class TwoCoresOverALossyNetwork(RuleBasedStateMachine):
         self.to_d: list[bytes] = []
         self.probes: list = []       # D's probes of P (ProbePeer), not answered yet
         self.p_incarnation = 0       # which process answers at P's address
+        self.p_engine: dict = {}     # P blocks the engine holds for a prefill still running (no transfer's)
 
     @property
     def p_now(self) -> float:
@@ -85,7 +86,7 @@ class TwoCoresOverALossyNetwork(RuleBasedStateMachine):
     # -- invariants for either mode ---------------------------------------------------------------------
     @invariant()
     def pools_are_conserved(self):
-        held = [b for blocks in self.p_held.values() for b in blocks]
+        held = [b for group in (self.p_held, self.p_engine) for blocks in group.values() for b in blocks]
         assert len(held) == len(set(held)) and not set(held) & self.p_free
         assert len(held) + len(self.p_free) == POOL
         used = [b for group in (self.d_owned, self.d_decoding, self.prefix) for blocks in group.values() for b in blocks]

@@ -396,7 +396,7 @@ def test_a_prefill_goes_to_the_writer_after_the_forward_that_ends_it():
 
 
 def test_a_chunked_prefill_is_handed_over_with_every_chunks_blocks():
-    p = PrefillScheduler(BLOCK, SIGNER)
+    p = PrefillScheduler(BLOCK, SIGNER, stream=False)
     r = one_token_request("0")
     p.get_num_new_matched_tokens(r, 0)
     assert not p.build_connector_meta(step(new={"0": (0, [3])}, scheduled={"0": 16}))
@@ -405,6 +405,33 @@ def test_a_chunked_prefill_is_handed_over_with_every_chunks_blocks():
     (ready,) = p.build_connector_meta(step(cached={"0": (32, [5])}, scheduled={"0": 8})).kv_ready_after_forward
     assert ready.block_ids == (3, 4, 5)
     assert p.request_finished(r, [3, 4, 5]) == (True, None) and not p.unexpected
+
+
+def test_a_streamed_prefill_sends_each_steps_finished_blocks_after_its_forward_and_the_rest_at_the_end():
+    p = PrefillScheduler(BLOCK, SIGNER)
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    (chunk,) = p.build_connector_meta(step(new={"0": (0, [3])}, scheduled={"0": 16})).chunks_after_forward
+    assert chunk.block_ids == (3,)
+    half = p.build_connector_meta(step(cached={"0": (16, [4])}, scheduled={"0": 8}))  # fills no block
+    assert not half
+    (chunk,) = p.build_connector_meta(step(cached={"0": (24, None)}, scheduled={"0": 8})).chunks_after_forward
+    assert chunk.block_ids == (3, 4)  # every finished block so far, in the prompt's order
+    out = p.build_connector_meta(step(cached={"0": (32, [5])}, scheduled={"0": 8}))
+    assert not out.chunks_after_forward and out.kv_ready_after_forward[0].block_ids == (3, 4, 5)
+    assert p.counts["chunks_streamed"] == 2
+
+
+def test_a_streamed_prefill_that_vllm_preempts_is_reported_so_its_stream_is_written_again():
+    p = PrefillScheduler(BLOCK, SIGNER)
+    r = one_token_request("0")
+    p.get_num_new_matched_tokens(r, 0)
+    p.build_connector_meta(step(new={"0": (0, [3])}, scheduled={"0": 16}))
+    out = p.build_connector_meta(step(preempted={"0"}))
+    assert out.preempted == [p.legs["0"].key]
+    assert not p.build_connector_meta(step(new={"0": (0, [7, 8, 9])}, scheduled={"0": 40}))  # not followed now
+    assert p.request_finished(r, [7, 8, 9]) == (True, None)  # sent whole at its end
+    assert p.build_connector_meta(step()).kv_ready[0].block_ids == (7, 8, 9)
 
 
 def test_async_scheduling_hands_over_a_step_later_unless_that_step_preempted_it():
