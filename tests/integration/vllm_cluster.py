@@ -28,6 +28,7 @@ D_BOUND_S = TIMEOUTS["watchdog_s"] + 2 * TIMEOUTS["max_write_s"] + TIMEOUTS["clo
 # short watchdog the liveness tests want on the main D. P and the preemption D get a long one.
 PATIENT = {**TIMEOUTS, "watchdog_s": 120}
 MAX_MODEL_LEN = 2048
+P_STEP_TOKENS = 128
 _ids = itertools.count()
 
 
@@ -52,7 +53,10 @@ class Cluster:
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
         on = {"timeline_dir": self.timeline_dir}
         # P also takes llm-d's sidecar legs (test_llm_d.py); nothing else sends it unsigned ones.
-        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, "accept_unsigned_prefill_legs": True})
+        # P computes a prompt 128 tokens a step (4 blocks), so that a few hundred words take several
+        # steps and push streams their finished blocks while the prefill runs.
+        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, "accept_unsigned_prefill_legs": True},
+                               extra=("--max-num-batched-tokens", str(P_STEP_TOKENS)))
         # The landing wait at the config's bound, so that an idle D's steps catch every landing they
         # can (at the default 2 ms about half of them here) and the metrics test can see one.
         self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on, "landing_wait_s": 0.1})
