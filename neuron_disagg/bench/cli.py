@@ -35,7 +35,7 @@ from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, 
                    prefill_ms, read_connector, run, scratch_dir, step_quantile_us, thread_cpu_percent)
 from .preset import PRESETS, evaluate, rates_for
 from .rounds import measure_in_rounds
-from .topology import DEFAULT_MODES, MODES, ServerSettings, groups, started
+from .topology import DEFAULT_MODES, MODES, OURS, ServerSettings, groups, started
 
 
 def _modes(text: str) -> list[str]:
@@ -102,6 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
+                       vllm_args=preset.vllm_args,
                        **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
     given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
@@ -245,7 +246,7 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_p
             run(mode, url, model, loads[-1], raw_dir / "warmup")
         for load in loads:
             progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
-            ours = mode in ("push", "pull")  # only our connector exports these
+            ours = mode in OURS  # only our connector exports these
             before = (read_connector(topo.prefill.url), read_connector(topo.decode.url)) if ours else None
             result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
             if before:

@@ -44,6 +44,7 @@ class Preset:
     p_busy: list[float] = field(default_factory=list)
     kv_heavy: bool = False  # the KV-heavy tiny model (tiny_model.KV_HEAVY) instead of the default
     churn: bool = False
+    vllm_args: str = ""  # more `vllm serve` flags, for every mode alike
     goals: tuple[Goal, ...] = ()
 
 
@@ -59,6 +60,19 @@ def ratio_goal(mode: str, name: str, base: str, bound: float, words: str) -> Goa
         value, reference = _figure(point, mode, name), _figure(point, base, name)
         return (value / reference, bound) if value and reference else None
     return Goal(f"{mode} {words} <= {bound:g}x {base}", measure)
+
+
+def handoff_goal(mode: str, base: str, bound: float) -> Goal:
+    """``mode``'s time from P's answer to D's first byte (p50) at most ``bound`` times ``base``'s."""
+    def after(point: Point, m: str) -> float | None:
+        result = point.get(m)
+        ok = result is not None and result.error is None and result.p_and_after_ms
+        return result.p_and_after_ms.get("after_p_answered") if ok else None
+
+    def measure(point: Point):
+        value, reference = after(point, mode), after(point, base)
+        return (value / reference, bound) if value and reference else None
+    return Goal(f"{mode} hand-off after P answered (p50) <= {bound:g}x {base}", measure)
 
 
 def push_tax_goal() -> Goal:
@@ -86,7 +100,11 @@ SEED = Preset(
     name="seed", about="long prompts into a KV-heavy model, P kept busy, fragmented KV, modes interleaved",
     input_lens=[2048], output_len=32, prompts=32, rounds=3, max_model_len=2560, kv_cache_bytes=768 << 20,
     p_busy=[0.8], kv_heavy=True, churn=True,
+    # Every engine computes a 2,048-token prompt in four steps of 512, as a server under load
+    # chunks long prompts: push streams the first three while the fourth runs.
+    vllm_args="--max-num-batched-tokens 512",
     goals=(ratio_goal("push", "ttft_p50_ms", "vllm-pull", 0.5, "TTFT p50"),
+           handoff_goal("push", "vllm-pull", 0.3),
            ratio_goal("push", "ttft_p50_ms", "vllm-push", 0.9, "TTFT p50"),
            ratio_goal("push", "tpot_p50_ms", "vllm-pull", 0.8, "TPOT p50"),
            ratio_goal("pull", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50")))

@@ -2,6 +2,8 @@
 
 - monolithic: one plain vLLM server on core 0.
 - ours (push and pull): P on core 0 and D on core 1 with our connector, one router per mode.
+- push-whole: push with streaming off (``stream: off``): P writes the whole prompt's KV once the
+  prefill is done, as push did before it streamed. A P and D of its own, since the setting is P's.
 - vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
@@ -28,8 +30,9 @@ from ..local_cluster import (ServerProcess, disaggregated, free_port, monolithic
 from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
-MODES = ("monolithic", "push", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
-DEFAULT_MODES = MODES[:5]  # the ray modes need Ray installed: asked for by name
+MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
+DEFAULT_MODES = MODES[:6]  # the ray modes need Ray installed: asked for by name
+OURS = ("push", "push-whole", "pull")  # our connector's modes, which export its metrics
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
 
 
@@ -68,6 +71,8 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     ours = tuple(m for m in ("push", "pull") if m in modes)
     if ours:
         out.append(ours)
+    if "push-whole" in modes:
+        out.append(("push-whole",))
     out += [(m,) for m in ("vllm-push", "vllm-pull") if m in modes]
     ray = tuple(m for m in ("ray-push", "ray-pull") if m in modes)  # one Ray cluster serves both
     if ray:
@@ -126,9 +131,9 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                    timeline_dir=marks)
         return Running({mode: r.url}, [p, d, r], p, d, marks)
     secret = secrets.token_hex(32)
-    overrides = {"timeline_dir": marks}
+    overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {})}
     p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
     d = disaggregated("decode", server.model, free_port(), d_side, "1", secret, overrides, **kw)
-    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m, timeline_dir=marks, secret=secret)
-               for m in group}
+    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m.removesuffix("-whole"), timeline_dir=marks,
+                         secret=secret) for m in group}
     return Running({m: r.url for m, r in routers.items()}, [p, d, *routers.values()], p, d, marks)
