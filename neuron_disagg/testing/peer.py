@@ -9,6 +9,8 @@ and pull threads), then answers commands for the thread of its ``--mode``:
   {"op": "digest", "blocks": [..]}                      sha256 of each block (all layers, K and V)
   {"op": "read", "block": n}                            the block's bytes in each region, hex
   {"op": "kv_ready", "tid": [req, attempt], "blocks": [..]}          P
+  {"op": "kv_chunk", "tid": [..], "blocks": [..]}    P, push: the prompt's leading blocks, final (streaming)
+  {"op": "preempted", "tid": [..]}                   P, push: the prefill's blocks were freed; computed again
   {"op": "expect", "tid": [..], "p_address": "h:p", "p_tp": 1}      D
   {"op": "allocate", "tid": [..], "blocks": [..], "first": 0}       D
   {"op": "regions"}                                      this rank's regions and agent, JSON
@@ -167,6 +169,10 @@ class Peer:
             self.allocated_at[tid] = time.perf_counter()
         if op == "kv_ready":
             self.rank.push.kv_ready(tid, tuple(cmd["blocks"]))
+        elif op == "kv_chunk":
+            self.rank.push.kv_chunk(tid, tuple(cmd["blocks"]))
+        elif op == "preempted":
+            self.rank.push.preempted(tid)
         elif op == "kv_coming":  # push, P: the blocks the prefill's last forward is about to fill
             self.thread.kv_coming(tid, tuple(cmd["blocks"]))
         elif op == "expect":

@@ -240,6 +240,46 @@ def test_a_chunked_prefill_hands_over_every_chunks_blocks():
     assert not p.side.legs
 
 
+def test_a_chunked_push_prefill_streams_each_steps_finished_blocks_and_holds_nothing_until_its_end():
+    p = Engine("prefill", max_batched_tokens=32)
+    r = p.add(list(range(500, 600)), prefill("streamed-p#0"), max_tokens=1)  # 100 tokens: 4 steps
+    chunks, handed = [], []
+    for _ in range(6):
+        meta = p.step().metadata
+        chunks += meta.chunks_after_forward
+        handed += meta.kv_ready_after_forward + meta.kv_ready
+        if not handed:  # streaming holds no block of vLLM's: nothing for the engine loop to wait on
+            assert not p.connector.has_pending_push_work()
+    blocks = tuple(p.blocks_of(r.request_id))
+    assert [c.block_ids for c in chunks] == [blocks[:2], blocks[:4], blocks[:6]]
+    (ready,) = handed
+    assert ready.block_ids == blocks[:7] and p.connector.has_pending_push_work()
+    # vLLM 0.34 asks whether a preempted hand-off must be recomputed: a producer's must.
+    assert getattr(p.connector, "requires_kv_delivery", True) is True
+    p.step(sent={r.request_id})
+    assert not p.side.legs
+
+
+def test_a_streaming_prefill_vllm_preempts_for_lack_of_blocks_is_reported_and_sent_whole_at_its_end():
+    p = Engine("prefill", blocks=9, max_batched_tokens=32)  # 8 usable: the two requests need 9
+    grower = p.add(list(range(300, 316)), None, max_tokens=60)  # a plain request that keeps decoding
+    r = p.add(list(range(500, 600)), prefill("preempted-p#0"), max_tokens=1)
+    streamed, preempted, handed = [], [], []
+    for _ in range(120):
+        meta = p.step().metadata
+        if meta is not None:
+            streamed += meta.chunks_after_forward
+            preempted += meta.preempted
+            handed += meta.kv_ready_after_forward + meta.kv_ready
+        if handed:
+            break
+    assert streamed, "the prefill was meant to stream before vLLM preempted it"
+    assert preempted == [p.side.legs[r.request_id].key]
+    (ready,) = handed  # computed again in full, and handed over whole at its end
+    assert ready.block_ids == tuple(p.blocks_of(r.request_id))[:7]
+    assert grower.is_finished() or p.blocks_of(grower.request_id)
+
+
 def test_prefill_samples_of_one_prompt_send_its_kv_once_and_free_the_others_at_once():
     p = Engine("prefill")
     free = p.free_blocks
