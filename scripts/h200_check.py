@@ -11,7 +11,8 @@ reading, moved by the real push writer and receiver threads over NIXL with signe
 2. push: P's blocks land in D's byte for byte;
 3. P fence: P's KV is written by device work queued behind a delay (a sleeping kernel) just before
    P hands it to its writer; with the platform's fence D gets the new KV, and a control run without
-   the fence must show the race (D gets what was there before);
+   the fence must show the race (D gets what was there before); the same for a streamed chunk,
+   handed over behind its step's fence while the prefill runs on;
 4. D fence: D's engine zeroes fresh blocks behind a delay on its stream before registering them;
    with the fence P's write lands after the zeroing, and the control run shows it overwritten;
 5. tensor parallelism: P TP 1 -> D TP 2 and P TP 2 -> D TP 1, each byte-exact.
@@ -125,10 +126,10 @@ def rank_main(spec: dict, conn) -> None:
     def blocks_of(layer: int, block_ids):
         return [caches[f"model.layers.{layer}.self_attn.attn"][b] for b in block_ids]  # (heads, tokens, K|V)
 
-    def write(block_ids, seed):
+    def write(block_ids, seed, only=None):  # ``only``: the first blocks alone (a step's chunk)
         for layer in range(LAYERS):
             data = expected(torch, layer, range(first, first + heads), len(block_ids), seed).to(device)
-            for i, view in enumerate(blocks_of(layer, block_ids)):
+            for i, view in enumerate(blocks_of(layer, block_ids[:only])):
                 view.copy_(data[:, i * TOKENS:(i + 1) * TOKENS])
 
     while True:
@@ -137,13 +138,16 @@ def rank_main(spec: dict, conn) -> None:
         tid = TransferId(cmd["tid"]) if "tid" in cmd else None
         if op == "fill":  # now, or (delay) by device work queued behind a sleeping kernel
             if cmd.get("delay_s"):
-                device_queue.later(cmd["delay_s"], lambda c=cmd: write(c["blocks"], c["seed"]))
+                device_queue.later(cmd["delay_s"], lambda c=cmd: write(c["blocks"], c["seed"], c.get("only")))
             else:
-                write(cmd["blocks"], cmd["seed"])
+                write(cmd["blocks"], cmd["seed"], cmd.get("only"))
                 device_queue.synchronize()
             conn.send({})
         elif op == "kv_ready":  # the fence recorded now covers the fill queued before it
             thread.kv_ready(tid, tuple(cmd["blocks"]), device_queue.fence() if cmd["fenced"] else ReadyFence())
+            conn.send({})
+        elif op == "kv_chunk":  # push streaming: the prompt's leading blocks, final behind this fence
+            thread.kv_chunk(tid, tuple(cmd["blocks"]), device_queue.fence() if cmd["fenced"] else ReadyFence())
             conn.send({})
         elif op == "register":  # D: expect the transfer, then register its fresh blocks
             thread.expect(tid, cmd["p_address"], cmd["p_tp"])
@@ -224,10 +228,20 @@ class Instances:
         self.p_tp = p_tp
 
     def push(self, tid: str, src, dst, seed: int, *, p_delay_s=0.0, p_fenced=True, d_zero_delay_s=0.0,
-             d_fenced=True, register_first=True) -> list[dict]:
-        """One request from every P rank into every D rank; each D rank's check of its blocks."""
+             d_fenced=True, register_first=True, chunk=0) -> list[dict]:
+        """One request from every P rank into every D rank; each D rank's check of its blocks. With
+        ``chunk``, P streams: its first ``chunk`` blocks are computed behind the delayed kernel and
+        handed over with (``p_fenced``) or without the fence, the rest at once with it."""
         def prefill():
             for p in self.p:
+                if chunk:
+                    p("fill", blocks=src, seed=seed + 1000)  # what the blocks held before
+                    p("fill", blocks=src, seed=seed, only=chunk, delay_s=p_delay_s)  # the step's KV, behind a kernel
+                    p("kv_chunk", tid=tid, blocks=src[:chunk], fenced=p_fenced)
+                    time.sleep(2 * p_delay_s)  # the chunk's write has gone, the kernel has run
+                    p("fill", blocks=src, seed=seed)  # the last step
+                    p("kv_ready", tid=tid, blocks=src, fenced=True)
+                    continue
                 p("fill", blocks=src, seed=seed, delay_s=p_delay_s)
                 p("kv_ready", tid=tid, blocks=src, fenced=p_fenced)
 
@@ -276,6 +290,11 @@ def run(dry_run: bool) -> list[dict]:
         fenced = pair.push("p-fenced", [10, 11], [12, 13], seed=2, p_delay_s=DELAY_S)
         control = pair.push("p-unfenced", [14, 15], [16, 17], seed=3, p_delay_s=DELAY_S, p_fenced=False)
         record("P fence: KV written behind a delayed kernel", exact(fenced) and not exact(control),
+               fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
+        fenced = pair.push("chunk-fenced", [30, 31, 32], [33, 34, 35], seed=6, p_delay_s=DELAY_S, chunk=2)
+        control = pair.push("chunk-unfenced", [36, 37, 38], [39, 40, 41], seed=7, p_delay_s=DELAY_S,
+                            p_fenced=False, chunk=2)
+        record("P fence, streamed: a chunk written behind the step's kernel", exact(fenced) and not exact(control),
                fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
         fenced = pair.push("d-fenced", [18, 19], [20, 21], seed=4, d_zero_delay_s=DELAY_S, register_first=False)
         control = pair.push("d-unfenced", [22, 23], [24, 25], seed=5, d_zero_delay_s=DELAY_S, d_fenced=False,

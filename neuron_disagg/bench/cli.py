@@ -102,7 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
-                       vllm_args=preset.vllm_args,
+                       vllm_args=preset.vllm_args, **({"modes": list(preset.modes)} if preset.modes else {}),
                        **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
     given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}

@@ -114,7 +114,7 @@ def test_a_run_under_a_preset_reports_its_goals_descriptors_and_p_busy():
     assert "## Goals of `--preset seed`" in md and "| push TTFT p50 <= 0.5x vllm-pull | 1.0 | 512 | 0.38 | 0.50 | yes |" in md
     assert "P's prefill time alone (one request at a time, before any load): 1000 ms at 512 tokens" in md
     assert "NOT MET" in report.goals_text(goals, "seed") or "no data" in report.goals_text(goals, "seed")
-    assert set(PRESETS) == {"seed", "light"}
+    assert set(PRESETS) == {"seed", "seed-long", "light"}
 
 
 def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
