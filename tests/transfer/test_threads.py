@@ -490,3 +490,38 @@ def test_a_read_d_gave_up_on_keeps_its_blocks_until_it_ends_and_still_recomputes
     assert "max_read_s" in d.wait("failed", tid)["reason"]
     assert sorted(d.wait("free", tid)["blocks"]) == [5, 6]
     assert not [e for e in d.events_of("loaded") if e["tid"] == list(tid)]
+
+
+def test_a_chunk_write_that_fails_to_post_fails_the_transfer_and_d_hears_why(ranks):
+    p, d = ranks("prefill"), ranks("decode", "--watchdog-s", "20")
+    p.peer.transport.fail_posts_to.add(d.peer.agent)
+    tid = ("chunk-unposted", 0)
+    p.fill(blocks=[1, 2, 3], seed=9)
+    _register(d, p, tid, [4, 5, 6])
+    _wait_for_state(p, tid, "awaiting_kv")
+    p.kv_chunk(tid=list(tid), blocks=[1, 2])
+    assert "not reachable" in d.wait("failed", tid)["reason"]
+    assert d.wait("free", tid)["blocks"] == [4, 5, 6]
+    p.kv_ready(tid=list(tid), blocks=[1, 2, 3])  # the prefill ends after its transfer failed
+    assert p.wait("free", tid)["blocks"] == [1, 2, 3]  # its blocks go back at once
+
+
+def test_a_prefill_that_ends_under_a_chunk_write_tells_d_only_once_the_write_ended(ranks):
+    """vLLM frees an aborted prefill's blocks at once, so a chunk write still in flight may read
+    another request's bytes into D's blocks: D must neither decode nor free them before it ends."""
+    p, d = ranks("prefill"), ranks("decode", "--watchdog-s", "20")
+    _warm(p, d, [1])
+    p.peer.transport.stall_posts_to.add(d.peer.agent)
+    tid = ("aborted-mid-stream", 0)
+    _register(d, p, tid, [4, 5, 6])
+    _wait_for_state(p, tid, "awaiting_kv")
+    p.kv_chunk(tid=list(tid), blocks=[2, 3])
+    _wait_for_state(p, tid, "streaming")
+    p.abort(tid=list(tid), reason="client disconnected")
+    _wait_for_state(p, tid, "aborting")
+    time.sleep(0.3)
+    assert not [e for e in d.events if e["event"] in ("failed", "free") and e["tid"] == list(tid)]
+    assert p.peer.transport.land_stalled() == 1
+    assert "aborted" in d.wait("failed", tid)["reason"]
+    assert d.wait("free", tid)["blocks"] == [4, 5, 6]
+    assert not [e for e in d.events_of("loaded") if e["tid"] == list(tid)]
