@@ -46,6 +46,7 @@ class PState(enum.Enum):
     PREFILLING = "prefilling"                    # no registration yet; part of the KV finished (noted)
     AWAITING_KV = "awaiting_kv"                  # registration in; prefill still running; nothing in flight
     STREAMING = "streaming"                      # registration in; a write of finished chunks in flight
+    FINISHING = "finishing"                      # the same, the prefill done (blocks held): the rest follows it
     # The prefill request ended under a chunk write: vLLM may already reuse the blocks it reads, so D
     # is told (WriteFailed) only once the write has ended.
     ABORTING = "aborting"
@@ -104,6 +105,8 @@ class PEffect(enum.Enum):
 S, E, F = PState, PEvent, PEffect
 TIMED_OUT = "write did not finish within max_write_s"
 TERMINAL = frozenset({S.DONE, S.FAILED, S.CANCELLED})
+#: where kv_coming's plan of the last write is kept: registered, the last write not yet submitted
+PLANS_AHEAD = frozenset({S.AWAITING_KV, S.STREAMING, S.FINISHING})
 
 TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     # -- first contact: either side of the rendezvous may come first -----------------------------
@@ -141,7 +144,7 @@ TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     # -- a write of finished chunks in flight; the prefill may have finished meanwhile (blocks held) --
     (S.STREAMING, E.CHUNK_DONE): Rule(S.AWAITING_KV, (F.REARM_REGISTRATION, F.STREAM)),
     (S.STREAMING, E.CHUNK_READY): Rule(None, (F.NOTE_FINISHED,)),  # goes when the write in flight lands
-    (S.STREAMING, E.KV_READY): Rule(None, (F.HOLD_BLOCKS,)),         # the same
+    (S.STREAMING, E.KV_READY): Rule(S.FINISHING, (F.HOLD_BLOCKS,)),  # the same
     (S.STREAMING, E.PREEMPTED): Rule(None, (F.FORGET_FINISHED,)),    # rewritten after the write in flight
     (S.STREAMING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
     (S.STREAMING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
@@ -151,6 +154,16 @@ TABLE: dict[tuple[PState, PEvent], Rule[PState, PEffect]] = {
     (S.STREAMING, E.HEARTBEAT): Rule(None),
     (S.STREAMING, E.REGISTRATION): Rule(None, (F.DROP,)),
     (S.STREAMING, E.WITHDRAWN): Rule(None, (F.DROP,)),
+    (S.FINISHING, E.CHUNK_DONE): Rule(S.AWAITING_KV, (F.REARM_REGISTRATION, F.STREAM)),  # the rest, now
+    (S.FINISHING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
+    (S.FINISHING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
+    (S.FINISHING, E.CANCEL): Rule(S.WRITING_CANCELLED),
+    (S.FINISHING, E.SUPERSEDED): Rule(S.WRITING_CANCELLED),
+    (S.FINISHING, E.ABORT): Rule(None),  # as in WRITING: the write reads only blocks we hold
+    (S.FINISHING, E.HEARTBEAT): Rule(None),
+    (S.FINISHING, E.REGISTRATION): Rule(None, (F.DROP,)),
+    (S.FINISHING, E.WITHDRAWN): Rule(None, (F.DROP,)),
+    (S.FINISHING, E.KV_READY): Rule(None, (F.DROP,)),
     (S.ABORTING, E.CHUNK_DONE): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
     (S.ABORTING, E.WRITE_FAILED): Rule(S.FAILED, (F.FREE_BLOCKS, F.NOTIFY_FAILED, F.FAIL)),
     (S.ABORTING, E.EXPIRED): Rule(S.DRAINING, (F.DRAIN,), TIMED_OUT),
@@ -210,7 +223,7 @@ for _ending in (S.WRITING_CANCELLED, S.DRAINING, S.DRAINING_CANCELLED, S.ABORTIN
     # decodes nothing of this transfer, so the write may read them reused).
     TABLE.update({(_ending, E.KV_READY): Rule(None, (F.FREE_LATE_BLOCKS,)),
                   (_ending, E.CHUNK_READY): Rule(None), (_ending, E.PREEMPTED): Rule(None)})
-for _final in (S.AWAITING_REGISTRATION, S.WRITING):
+for _final in (S.AWAITING_REGISTRATION, S.WRITING, S.FINISHING):
     # Every block is held from KV_READY on: no chunk comes after it, and nothing is preempted.
     TABLE.update({(_final, E.CHUNK_READY): Rule(None, (F.DROP,)), (_final, E.PREEMPTED): Rule(None, (F.DROP,))})
 for _end, _answer in ((S.DONE, F.DROP), (S.FAILED, F.NOTIFY_FAILED), (S.CANCELLED, F.NOTIFY_CANCEL_ACK)):
@@ -318,6 +331,8 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         entry.partial.append(registration)
         ranks = {r.tp_rank: r for reg in entry.partial for r in reg.ranks}
         if not needed <= set(ranks):
+            if entry.state is PState.PREFILLING:  # word from D: what it gathered is kept while it may complete
+                entry.deadline = max(entry.deadline or 0.0, min(registration.expires_at, self._now + self.timeouts.watchdog_s))
             return None
         return msgspec.structs.replace(first, ranks=tuple(ranks[r] for r in sorted(ranks)),
                                        expires_at=min(reg.expires_at for reg in entry.partial))
@@ -348,7 +363,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         it. Returns that plan, for the caller to build its transfers ahead too. Changes no state; a
         plan kv_ready cannot use (other blocks, another registration) is made again there."""
         entry = self.entries.get(transfer_id)
-        if entry is None or entry.state is not PState.AWAITING_KV or entry.registration is None:
+        if entry is None or entry.state not in PLANS_AHEAD or entry.registration is None:
             return None
         try:
             plan = self._plan(entry.registration, block_ids, entry.written)
@@ -413,8 +428,8 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
 
     def _fire(self, entry: ProducerTransfer, event: PEvent, step: Step) -> None:
         super()._fire(entry, event, step)
-        if entry.state is not PState.AWAITING_KV:
-            entry.planned = None  # only kv_ready from there submits it; ended entries keep no plan
+        if entry.state not in PLANS_AHEAD:
+            entry.planned = None  # only the last write from there uses it; ended entries keep no plan
 
     # -- effects ----------------------------------------------------------------------------------
     def _run_effect(self, entry: ProducerTransfer, effect: PEffect, step: Step) -> None:

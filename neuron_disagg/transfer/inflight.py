@@ -49,6 +49,9 @@ class _Batch:
     parked: list[Part] = field(default_factory=list)
     agents: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.perf_counter)
+    # Why a part failed, while others posted may still be landing: reported once all have ended, so
+    # the peer is not told (and frees its blocks) under a part still writing into them.
+    failure: str | None = None
 
 
 class InFlight:
@@ -101,10 +104,11 @@ class InFlight:
                 self.discard_prepared(tid)
 
     def submit(self, tid: TransferId, op: str, parts: list[Part], frame: bytes) -> str | None:
-        """Post every part (or park it until its peer is known). Returns a failure reason, or None."""
+        """Post every part (or park it until its peer is known). Returns a failure reason, or None.
+        A write of chunks (no ``frame``) leaves what was built ahead, for the transfer's last write."""
         batch = _Batch(op, frame)
         self._batches[tid] = batch
-        built = self._prepared.pop(tid, (None, []))[1]
+        built = self._prepared.pop(tid, (None, []))[1] if frame else []
         try:
             for part in parts:
                 batch.agents.add(part.plan.remote_agent)
@@ -115,6 +119,9 @@ class InFlight:
                     if prepared is not None:
                         built.remove(prepared)
                     error = self._post(batch, part, prepared)
+                    if error and batch.handles:  # others posted: the failure waits for them
+                        batch.failure, batch.parked = error, []
+                        break
                     if error:
                         self.release(tid)
                         return error
@@ -165,6 +172,9 @@ class InFlight:
             for part in waiting:
                 batch.parked.remove(part)
                 problem = error or self._post(batch, part)
+                if problem and batch.handles:  # others posted: the failure waits for them (poll)
+                    batch.failure, batch.parked = problem, []
+                    break
                 if problem:
                     self.release(tid)
                     failed.append((tid, problem))
@@ -175,18 +185,26 @@ class InFlight:
         done, failed = [], []
         running = False
         for tid, batch in list(self._batches.items()):
-            try:
-                finished = all([self.transport.poll(h) for h in batch.handles])
-            except TransferFailed as exc:
-                for agent in batch.agents:
-                    self._forget_dead_peer(str(exc), agent)
-                self.release(tid)
-                failed.append((tid, str(exc)))
+            finished = True
+            for handle in batch.handles:
+                try:
+                    finished = self.transport.poll(handle) and finished
+                except TransferFailed as exc:  # this part ended; the others may still be landing
+                    if batch.failure is None:
+                        batch.failure, batch.parked = str(exc), []
+                        for agent in batch.agents:
+                            self._forget_dead_peer(str(exc), agent)
+            if batch.failure is not None:
+                if finished:
+                    self.release(tid)
+                    failed.append((tid, batch.failure))
+                else:
+                    running = True
                 continue
             if finished and not batch.parked:
                 if batch.frame:  # a transfer's last write; not one of chunks while the prefill ran
                     self.done_seconds.append(time.perf_counter() - batch.started)
-                self.release(tid)
+                self.release(tid, keep_prepared=not batch.frame)
                 done.append(tid)
             running = running or not finished
         if self._draining and not running and time.monotonic() >= self._reset_not_before:
@@ -220,8 +238,9 @@ class InFlight:
                 self._handshake(part)
         return []
 
-    def release(self, tid: TransferId) -> None:
-        self.discard_prepared(tid)
+    def release(self, tid: TransferId, keep_prepared: bool = False) -> None:
+        if not keep_prepared:
+            self.discard_prepared(tid)
         batch = self._batches.pop(tid, None)
         for handle in batch.handles if batch else ():
             self.transport.release(handle)

@@ -80,6 +80,8 @@ class PrefillScheduler(SchedulerSide):
         self.offers = offers  # pull mode: None until the workers' handshake arrived
         self.offered: dict[TransferId, dict[str, Any]] = {}  # pull: the params siblings answer with
         self._following: dict[str, Leg] = {}  # legs followed for an early hand-off, in arrival order
+        # Siblings (a prompt list, n > 1) share one transfer: only the first to stream it streams it.
+        self._streamer: dict[TransferId, str] = {}
 
     def _new_leg(self, request, parsed: leg_params.LegParams, key: TransferId) -> Leg:
         leg = Leg(request.request_id, parsed, key, _P.PREFILLING, prompt_tokens=len(request.prompt_token_ids))
@@ -227,7 +229,8 @@ class PrefillScheduler(SchedulerSide):
     def _stream_chunk(self, leg: Leg, computed_after_step: int) -> None:
         """Streaming: the prompt's blocks this step's forward fills go to the writer once it ends."""
         full = computed_after_step // self.block_size
-        if not self.stream or full <= leg.streamed_blocks or self._taken(leg.key, leg.request_id):
+        if (not self.stream or full <= leg.streamed_blocks or self._taken(leg.key, leg.request_id)
+                or self._streamer.setdefault(leg.key, leg.request_id) != leg.request_id):
             return
         leg.streamed_blocks = full
         self._step.chunks_after_forward.append(HandOff(leg.key, leg.request_id, leg.block_ids[:full]))
@@ -239,6 +242,8 @@ class PrefillScheduler(SchedulerSide):
     def _stop_following(self, leg: Leg) -> None:
         leg.early = False
         self._following.pop(leg.request_id, None)
+        if self._streamer.get(leg.key) == leg.request_id:
+            del self._streamer[leg.key]
 
     def _hand_off_early(self, leg: Leg, after_forward: bool) -> None:
         self._stop_following(leg)

@@ -37,6 +37,8 @@ PATHS = {
     PState.PREFILLING: [lambda c: c.chunk_ready(TID, (3,), 0)],
     PState.AWAITING_KV: [lambda c: c.registration_received(registration(), 0)],
     PState.STREAMING: [lambda c: c.registration_received(registration(), 0), lambda c: c.chunk_ready(TID, (3,), 1)],
+    PState.FINISHING: [lambda c: c.registration_received(registration(), 0), lambda c: c.chunk_ready(TID, (3,), 1),
+                       lambda c: c.kv_ready(TID, (3, 4, 5), 2)],
     PState.ABORTING: [lambda c: c.registration_received(registration(), 0), lambda c: c.chunk_ready(TID, (3,), 1),
                       lambda c: c.abort(TID, "client gone", 2)],
     PState.AWAITING_REGISTRATION: [lambda c: c.kv_ready(TID, BLOCKS, 0)],

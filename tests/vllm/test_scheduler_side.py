@@ -422,6 +422,18 @@ def test_a_streamed_prefill_sends_each_steps_finished_blocks_after_its_forward_a
     assert p.counts["chunks_streamed"] == 2
 
 
+def test_of_siblings_sharing_a_transfer_only_the_first_streams_it():
+    p = PrefillScheduler(BLOCK, SIGNER)
+    first, second = one_token_request("0_r"), one_token_request("1_r")  # one prompt, twice (n > 1)
+    for r in (first, second):
+        p.get_num_new_matched_tokens(r, 0)
+    out = p.build_connector_meta(step(new={"0_r": (0, [3]), "1_r": (0, [8])}, scheduled={"0_r": 16, "1_r": 16}))
+    assert [(c.request_id, c.block_ids) for c in out.chunks_after_forward] == [("0_r", (3,))]
+    p.request_finished(one_token_request("0_r", "FINISHED_ABORTED"), [3])  # the streamer leaves
+    out = p.build_connector_meta(step(cached={"1_r": (16, [9])}, scheduled={"1_r": 16}))
+    assert [(c.request_id, c.block_ids) for c in out.chunks_after_forward] == [("1_r", (8, 9))]
+
+
 def test_a_streamed_prefill_that_vllm_preempts_is_reported_so_its_stream_is_written_again():
     p = PrefillScheduler(BLOCK, SIGNER)
     r = one_token_request("0")
