@@ -5,7 +5,7 @@
   stream, so a prompt's KV is thousands of block-by-layer pieces), P kept busy (the rate is set
   from P's measured prefill time), the block pools churned first so that no transfer's blocks are
   contiguous, and every mode in interleaved rounds.
-- ``seed-long``: the seed point at 8,192 tokens, fewer prompts and rounds (a prefill takes seconds
+- ``seed-long``: the seed point at 8,160 tokens (the tiny model's longest), fewer prompts and rounds (a prefill takes seconds
   here), streamed push beside push writing at the end and vLLM's NixlConnector.
 - ``light``: the light corner (512 tokens at 1 and 2 req/s, the default tiny model), where the goals
   are about what push costs over monolithic rather than its lead.
@@ -124,8 +124,9 @@ LIGHT = Preset(
            *(step_cpu_goal(mode, side, 100) for mode in ("push", "pull") for side in ("prefill", "decode"))))
 
 SEED_LONG = Preset(
-    name="seed-long", about="the seed point at 8,192 tokens: what streaming keeps of the hand-off as prompts grow",
-    input_lens=[8192], output_len=32, prompts=8, rounds=2, max_model_len=8256, kv_cache_bytes=768 << 20,
+    name="seed-long", about="the seed point at 8,160 tokens: what streaming keeps of the hand-off as prompts grow",
+    # 8,160 + 32 output tokens: the tiny model's 8,192 positions, the longest it holds
+    input_lens=[8160], output_len=32, prompts=8, rounds=2, max_model_len=8192, kv_cache_bytes=768 << 20,
     p_busy=[0.8], kv_heavy=True, vllm_args="--max-num-batched-tokens 512",
     modes=("push", "push-whole", "vllm-pull"),
     goals=(handoff_goal("push", "vllm-pull", 0.3),))
