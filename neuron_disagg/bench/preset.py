@@ -126,7 +126,7 @@ LIGHT = Preset(
 SEED_LONG = Preset(
     name="seed-long", about="the seed point at 8,160 tokens: what streaming keeps of the hand-off as prompts grow",
     # 8,160 + 32 output tokens: the tiny model's 8,192 positions, the longest it holds
-    input_lens=[8160], output_len=32, prompts=8, rounds=2, max_model_len=8192, kv_cache_bytes=768 << 20,
+    input_lens=[8160], output_len=32, prompts=4, rounds=2, max_model_len=8192, kv_cache_bytes=768 << 20,
     p_busy=[0.8], kv_heavy=True, vllm_args="--max-num-batched-tokens 512",
     modes=("push", "push-whole", "vllm-pull"),
     goals=(handoff_goal("push", "vllm-pull", 0.3),))
