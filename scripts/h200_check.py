@@ -291,8 +291,8 @@ def run(dry_run: bool) -> list[dict]:
         control = pair.push("p-unfenced", [14, 15], [16, 17], seed=3, p_delay_s=DELAY_S, p_fenced=False)
         record("P fence: KV written behind a delayed kernel", exact(fenced) and not exact(control),
                fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
-        fenced = pair.push("chunk-fenced", [30, 31, 32], [33, 34, 35], seed=6, p_delay_s=DELAY_S, chunk=2)
-        control = pair.push("chunk-unfenced", [36, 37, 38], [39, 40, 41], seed=7, p_delay_s=DELAY_S,
+        fenced = pair.push("chunk-fenced", [26, 27, 28], [29, 30, 31], seed=6, p_delay_s=DELAY_S, chunk=2)
+        control = pair.push("chunk-unfenced", [0, 1, 2], [3, 4, 5], seed=7, p_delay_s=DELAY_S,
                             p_fenced=False, chunk=2)
         record("P fence, streamed: a chunk written behind the step's kernel", exact(fenced) and not exact(control),
                fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))

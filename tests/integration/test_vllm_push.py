@@ -43,10 +43,12 @@ def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster)
 @pytest.mark.every_vllm  # what differs between vLLM versions
 def test_a_prompt_prefilled_in_several_steps_streams_its_finished_blocks_and_decodes_token_exact(cluster):
     chunks, writes = (metric(cluster.p, f"neuron_disagg_{n}_total") for n in ("chunks_streamed", "chunk_writes"))
-    want, got = run(_compare(cluster, [prompt(700, 21)]))  # about 900 tokens: 8 steps of P_STEP_TOKENS
+    want, got = run(_compare(cluster, [prompt(700, 21)]))  # 700 words: at least 5 steps of P_STEP_TOKENS
     assert got == want
-    wait_for(lambda: metric(cluster.p, "neuron_disagg_chunks_streamed_total") >= chunks + 5, 10,
-             "P's scheduler side streaming the prefill's steps")
+    # Another test's prompt of this seed may be in P's prefix cache: a block or two fewer to stream.
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_chunks_streamed_total") >= chunks + 3, 10,
+             f"P's scheduler side streaming the prefill's steps (from {chunks}: "
+             f"{metric(cluster.p, 'neuron_disagg_chunks_streamed_total')})")
     assert metric(cluster.p, "neuron_disagg_chunk_writes_total") > writes  # written while P computed
     assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
     blocks_back(cluster)
