@@ -441,9 +441,7 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
         elif effect is F.REARM_REGISTRATION:
             entry.deadline = entry.registration_deadline
         elif effect is F.NOTE_FINISHED:
-            if step.payload[:entry.written] != entry.finished[:entry.written]:
-                self.counters["stream_rewritten"] += 1  # other blocks than those written: all again
-                entry.written = 0
+            self._rewrite_unless_extended(entry, step.payload)
             entry.finished = step.payload
         elif effect is F.FORGET_FINISHED:
             if entry.written:
@@ -510,13 +508,18 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
                 entry.written, entry.registration.first_block_index):
             self._fire(entry, PEvent.BACKLOG, Step(step.now, actions=step.actions))
 
+    def _rewrite_unless_extended(self, entry: ProducerTransfer, blocks: tuple[int, ...]) -> None:
+        """``blocks`` do not begin with those already written (computed again elsewhere): write all again."""
+        if blocks[:entry.written] != entry.finished[:entry.written]:
+            self.counters["stream_rewritten"] += 1
+            entry.written = 0
+
     def _submit(self, entry: ProducerTransfer, step: Step, chunk: bool = False) -> None:
         reg, planned = entry.registration, entry.planned
         blocks = entry.finished if chunk else entry.block_ids
         assert reg is not None and blocks is not None  # SUBMIT_WRITE follows ARM_REGISTRATION and HOLD_BLOCKS
-        if not chunk and blocks[:entry.written] != entry.finished[:entry.written]:
-            self.counters["stream_rewritten"] += 1  # computed again in other blocks: written again
-            entry.written = 0
+        if not chunk:
+            self._rewrite_unless_extended(entry, blocks)
         try:
             if not chunk and planned is not None and planned[0] is reg and planned[1:3] == (blocks, entry.written):
                 plan = planned[3]
@@ -531,8 +534,6 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
             return
         entry.deadline = step.now + self.timeouts.max_write_s
         entry.written, entry.chunk_in_flight = len(blocks), chunk
-        if chunk:
-            self.counters["chunk_writes"] += 1
         step.actions.append(SubmitWrite(
             entry.transfer_id, plan, reg.d_side_channel,
             None if chunk else WriteDone(entry.transfer_id, self.tp_rank, self.tp_size)))
