@@ -141,6 +141,8 @@ class TransferThread(Generic[CoreT]):
         except BaseException as exc:  # kept for check() and shutdown()
             self._error = self._died = exc
             log.exception("%s died", self._thread.name)
+        finally:  # the last turn may have taken the stop with the work before it
+            self.cpu_seconds = time.thread_time()
 
     def _perform(self, actions: Iterable[Action]) -> None:
         """Performs the core's actions in order, then the core calls performers deferred (``_then``),

@@ -19,7 +19,7 @@ from neuron_disagg.protocol import RankRegions, Registration, TransferId  # noqa
 from neuron_disagg.timeline import OFF  # noqa: E402
 from neuron_disagg.transfer.outbox import Failed, Freed, Loaded, Quarantined  # noqa: E402
 from neuron_disagg.transfer.rank import Rank  # noqa: E402
-from neuron_disagg.transfer.thread import TransferThread, TransferThreadDied  # noqa: E402
+from neuron_disagg.transfer.thread import _STOP, TransferThread, TransferThreadDied  # noqa: E402
 from neuron_disagg.transfer.transport import InMemoryTransport  # noqa: E402
 from neuron_disagg.vllm.decode import DecodeWorker  # noqa: E402
 from neuron_disagg.vllm.metadata import (  # noqa: E402
@@ -314,6 +314,7 @@ class Busy(Exploding):
         super().__init__()
         self.stats: Counter = Counter()
         self._handlers[float] = self._compute
+        self._handlers[threading.Event] = lambda gate, now: gate.wait(5)
 
     def _compute(self, seconds, now):
         end = time.thread_time() + seconds
@@ -328,11 +329,14 @@ def test_stats_report_each_transfer_threads_cpu_time_and_only_its_own(worker):
     d.rank.push, d.rank.pull = Busy().start(), Busy().start()
     try:
         d.stats()
-        d.rank.push._inbox.put(0.05)
+        gate = threading.Event()
+        for item in (gate, 0.05, _STOP):  # held at the gate, the thread takes the work and the stop in one turn
+            d.rank.push._inbox.put(item)
         end = time.thread_time() + 0.1  # the engine thread busy meanwhile
         while time.thread_time() < end:
             pass
-        d.rank.push.shutdown()  # its last turn begins once the first one's work ended
+        gate.set()
+        d.rank.push.shutdown()  # already stopping: this waits for it
         counts = d.stats()["counts"]
         assert 50_000 <= counts["push_thread_cpu_us"] < 90_000
         assert counts.get("pull_thread_cpu_us", 0) < 10_000
