@@ -146,8 +146,8 @@ variable "capacity_reservation_id" {
 
 variable "nixl_version" {
   type        = string
-  default     = "1.4.1"
-  description = "NIXL installed by 30-python.sh (exactly this version); tag neuron-disagg:nixl."
+  default     = "1.5.0"
+  description = "NIXL installed by 30-python.sh (exactly this version); tag neuron-disagg:nixl. 1.5.1 needs libfabric 2.7.0 (EFA installer 1.51.0)."
 }
 
 variable "efa_installer_version" {

@@ -192,6 +192,15 @@ def _plugin_lacks(directory, search_path: str | None = None) -> list[str] | None
         return None
 
 
+def _plugin_abi_lacks(directory) -> list[str]:
+    """libfabric ABI versions NIXL's LIBFABRIC plugin needs and the libfabric found lacks."""
+    from .platforms import fabric_libs
+    try:
+        return fabric_libs.abi_lacking(fabric_libs.plugin(), directory)
+    except (fabric_libs.FabricLibsError, OSError, subprocess.SubprocessError):
+        return []
+
+
 def _fabric_libs_fix(platform_name: str, lacking: list[str] | None, search_path: str | None) -> str:
     from .platforms import fabric_libs
     if platform_name == "neuron":
@@ -242,6 +251,10 @@ def check_fabric_libs(platform, backend: str) -> Check:
                f"({units[0] or 'unset'}, from {units[1]}): the LIBFABRIC backend will not load in the units"
                + ("" if state == "loaded" else f" ({state})"))
     else:  # on a GPU host what is missing decides the fix: the driver's, or ours to install
+        abi = _plugin_abi_lacks(directory)
+        if abi:  # no library of ours helps: the libfabric is too old for this NIXL
+            return Check("fabric libraries", "fail", f"NIXL's LIBFABRIC backend does not load{where}: {state}",
+                         fabric_libs.abi_advice(abi))
         lacking = _plugin_lacks(directory) if platform.name == "cuda" else None
         msg = (f"NIXL's LIBFABRIC backend does not load{where}: {state}"
                + (f"; the linker cannot find {', '.join(lacking)}" if lacking else ""))

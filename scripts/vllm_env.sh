@@ -16,7 +16,10 @@
 #           2.14.1, the same build a patch later, lies on this machine's disk with its nvidia-*
 #           packages and takes its place. vllm goes in without its pins, and without the GPU kernel
 #           packages it lists (flashinfer, CUTLASS, TileLang, ...), which its Python imports only
-#           to run a model.
+#           to run a model. Their own NIXL code refuses NIXL older than 1.5.0; these take 1.5.0,
+#           what `neuron-disagg[cuda]` resolves to beside them (1.5.1's LIBFABRIC plugin needs a
+#           libfabric newer than the EFA installer we pin ships), and carry the transfer tests'
+#           NIXL 1.5.0 peers (tests/integration/fabrics.py).
 # Idempotent: a second run with everything in place checks imports and returns in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,20 +29,26 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv-vllm-$VERSION
 STAMP=$VENV/.neuron-disagg-ready
 py=$VENV/bin/python
+case "$VERSION" in
+  0.33.* | 0.34.*) NIXL_VERSION=1.5.0 ;;
+  *) NIXL_VERSION=1.4.1 ;;
+esac
 ray_llm_extras=(jsonschema typer pyarrow pandas fsspec)
 # uv installs, configured as pip is here, and links each file from its cache (scripts/uv.sh).
 source scripts/uv.sh
 env_install() { uv_install "$py" "$@"; }
 check() {
-  "$py" - "$VERSION" <<'PY'
-import sys, importlib.util, runpy, pathlib
+  "$py" - "$VERSION" "$NIXL_VERSION" <<'PY'
+import sys, importlib.metadata, importlib.util, runpy, pathlib
 spec = importlib.util.find_spec("vllm")
 got = runpy.run_path(str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "_version.py"))["__version__"]
 assert got.split("+")[0] == sys.argv[1], f"vllm {got} installed, expected {sys.argv[1]}"
+nixl_version = importlib.metadata.version("nixl")
+assert nixl_version == sys.argv[2], f"nixl {nixl_version} installed, expected {sys.argv[2]}"
 import neuron_disagg, nixl, pytest  # noqa: F401
 if sys.argv[1].startswith("0.29."):
     import ray.serve.llm  # noqa: F401  the Ray tests' engine
-print(f"{sys.prefix}: vllm {got}, neuron-disagg from {neuron_disagg.__file__}")
+print(f"{sys.prefix}: vllm {got}, nixl {nixl_version}, neuron-disagg from {neuron_disagg.__file__}")
 PY
 }
 # Installs the requirements of the installed distribution $1 but those named in $2 (a regex).
@@ -89,7 +98,7 @@ case "$VERSION" in
   0.29.*) package=".[bench]" ;;
   *) package="." ;;
 esac
-env_install -e "$package" "nixl==1.4.1" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+env_install -e "$package" "nixl==$NIXL_VERSION" "pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
 # Ray Serve LLM 2.60 pins vLLM 0.29: its environment serves the Ray tests (tests/integration/
 # test_ray_serve.py). ray[llm] itself would pull PyPI's CUDA vllm and an older NIXL over ours, so
 # ray[serve] goes in with the few packages of the llm extra that Ray's LLM serving imports.

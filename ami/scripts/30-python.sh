@@ -4,12 +4,14 @@
 #   neuron: the Neuron DLAMI's own vLLM environment (it holds vllm, vllm-neuron and torch-neuronx,
 #           built for this Neuron SDK); we add NIXL and our package to it.
 #   cuda:   a new environment with vLLM's CUDA build, NIXL and our package.
-# NIXL is pinned (1.4.1): its LIBFABRIC plugin loads against the libfabric ABI the EFA installer ships.
+# NIXL is pinned (1.5.0): vLLM 0.33 and newer refuse NIXL < 1.5, and 1.5.1's LIBFABRIC plugin needs
+# libfabric 2.7.0 (ABI FABRIC_1.10), newer than the pinned EFA installer 1.50.0 ships (2.6.0); 1.5.0's
+# needs FABRIC_1.7.
 set -euo pipefail
 
 PLATFORM="${PLATFORM:?PLATFORM must be neuron or cuda}"
 STAGE="${STAGE:-/tmp/neuron-disagg-ami}"
-NIXL_VERSION="${NIXL_VERSION:-1.4.1}"
+NIXL_VERSION="${NIXL_VERSION:-1.5.0}"
 NEURON_PIP_INDEX="${NEURON_PIP_INDEX:-https://pip.repos.neuron.amazonaws.com}"
 VENV_LINK=/opt/neuron-disagg/venv
 

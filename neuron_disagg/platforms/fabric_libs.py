@@ -17,6 +17,11 @@ and puts each into one directory, installing nothing system-wide:
   ``dnf download``). apt waits up to ``APT_LOCK_TIMEOUT_S`` (300 s) for the package system's lock: on
   a fresh DLAMI its own apt jobs may hold it while the bake runs.
 
+The plugin also needs a libfabric new enough: each NIXL build names the symbol-version ABI it was
+linked against (``FABRIC_1.7`` for nixl 1.4.1 and 1.5.0, ``FABRIC_1.10`` for 1.5.1, whose wheels
+were built with libfabric 2.7.0). A libfabric that lacks it is named with the release and the EFA
+installer that first carry it, and with the NIXL that works with what the host has.
+
 Then it loads NIXL's LIBFABRIC backend with the directory on LD_LIBRARY_PATH, and only if that works
 marks the directory as good. ``neuron-disagg serve`` puts it on vLLM's LD_LIBRARY_PATH; ``doctor``
 and the AMI bake check the backend loads. libfabric itself is the EFA installer's
@@ -46,6 +51,14 @@ CUDART_WHEELS = {"13": ("nvidia-cuda-runtime==13.0.96", "nvidia/cu13/lib/libcuda
                  "12": ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia/cuda_runtime/lib/libcudart.so.12")}
 #: ``--platform``: what the host's accelerator is. Only on Neuron is libcuda.so.1 ours to provide.
 PLATFORMS = ("neuron", "cuda")
+#: Each libfabric symbol-version ABI: the first libfabric release that exports it (libfabric.map.in
+#: by release tag) and, where the EFA installer's changelog tells, the first installer shipping such
+#: a release. 1.50.0, our AMI's pin, ships libfabric 2.6.0, which stops at FABRIC_1.9.
+FABRIC_ABI: dict[str, tuple[str, str | None]] = {
+    "FABRIC_1.7": ("1.20.0", None), "FABRIC_1.8": ("2.0.0", None),
+    "FABRIC_1.9": ("2.5.0", "1.50.0"), "FABRIC_1.10": ("2.7.0", "1.51.0")}
+#: The newest NIXL whose LIBFABRIC plugin needs only FABRIC_1.7, for hosts with an older libfabric.
+NIXL_FOR_OLDER_LIBFABRIC = "1.5.0"
 
 
 def apt_get(*args: str) -> list[str]:
@@ -98,14 +111,36 @@ def plugin(python: str = sys.executable) -> Path:
     return found
 
 
+def _ldd(plugin_path: Path, directory: Path | None, search_path: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LD_LIBRARY_PATH": library_path(directory) if search_path is None else search_path}
+    return subprocess.run(["ldd", str(plugin_path)], capture_output=True, text=True, env=env, timeout=60)
+
+
 def missing(plugin_path: Path, directory: Path | None = None, search_path: str | None = None) -> list[str]:
     """Sonames the plugin needs that the dynamic linker cannot find (with ``directory`` searched), or,
     given ``search_path``, with exactly that LD_LIBRARY_PATH (e.g. the one the systemd units get)."""
-    env = {**os.environ, "LD_LIBRARY_PATH": library_path(directory) if search_path is None else search_path}
-    out = subprocess.run(["ldd", str(plugin_path)], capture_output=True, text=True, env=env, timeout=60)
+    out = _ldd(plugin_path, directory, search_path)
     # NIXL's own libraries (libnixl_common, libserdes) are loaded before the plugin is.
     return [name for name in re.findall(r"^\s*(\S+) => not found", out.stdout, re.MULTILINE)
             if not name.startswith(("libnixl", "libserdes"))]
+
+
+def abi_lacking(plugin_path: Path, directory: Path | None = None, search_path: str | None = None) -> list[str]:
+    """The libfabric symbol versions the plugin needs that the libfabric the linker finds does not
+    export (ldd: "libfabric.so.1: version `FABRIC_1.10' not found"), oldest first."""
+    out = _ldd(plugin_path, directory, search_path)
+    found = set(re.findall(r"libfabric\.so\.1: version `(FABRIC_[0-9.]+)' not found", out.stdout + out.stderr))
+    return sorted(found, key=lambda v: tuple(int(n) for n in v.removeprefix("FABRIC_").split(".")))
+
+
+def abi_advice(lacking: list[str]) -> str:
+    """Why the plugin will not load against this libfabric, and the two ways out."""
+    newest = lacking[-1]
+    release, installer = FABRIC_ABI.get(newest, ("a release newer than this package knows", None))
+    carrier = f"EFA installer >= {installer}" if installer else "an EFA installer that ships it"
+    return (f"this NIXL's LIBFABRIC plugin needs libfabric ABI {newest} (libfabric >= {release}, {carrier}), "
+            f"which the libfabric found lacks: install `nixl=={NIXL_FOR_OLDER_LIBFABRIC}` (its plugin needs "
+            "FABRIC_1.7, libfabric >= 1.20) or a newer EFA installer")
 
 
 def loads(directory: Path | None, python: str = sys.executable) -> str:
@@ -151,6 +186,9 @@ def install(directory: Path, python: str = sys.executable, platform: str = "neur
     still = missing(path, directory)
     if still:
         raise FabricLibsError(f"still missing after installing into {directory}: {', '.join(still)}")
+    abi = abi_lacking(path, directory)
+    if abi:
+        raise FabricLibsError(abi_advice(abi))
     state = loads(directory, python)
     if state != "loaded":
         raise FabricLibsError(f"NIXL's LIBFABRIC backend does not load with {directory} on LD_LIBRARY_PATH: {state}")

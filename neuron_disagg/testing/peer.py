@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.metadata
 import itertools
 import json
 import os
@@ -245,6 +246,13 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _nixl_version() -> str | None:
+    try:
+        return importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     global EVENTS
     # Native libraries (UCX, NIXL) print to fd 1: keep the real stdout for our JSON lines only.
@@ -256,7 +264,7 @@ def main() -> None:
         time.time = lambda: host_time() + args.clock_offset_s
     peer = Peer(args)
     peer.emit({"event": "ready", "address": peer.address, "agent": peer.agent, "pid": os.getpid(),
-               "backends": peer.rank.target.loaded_backends()})
+               "backends": peer.rank.target.loaded_backends(), "nixl": _nixl_version()})
     for line in sys.stdin:
         cmd = json.loads(line)
         reply = peer.command(cmd)

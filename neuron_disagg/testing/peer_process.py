@@ -18,12 +18,14 @@ SECRET = secrets.token_hex(24)
 
 
 class PeerProcess:
-    def __init__(self, role: str, *args: str, env: dict | None = None, prefix: list[str] | tuple[str, ...] = ()):
+    def __init__(self, role: str, *args: str, env: dict | None = None, prefix: list[str] | tuple[str, ...] = (),
+                 python: str = sys.executable):
         """``prefix`` wraps the command (e.g. ``nsenter --net=...`` to run it in a test's network
-        namespace); ``env`` adds to this process's environment."""
+        namespace); ``env`` adds to this process's environment; ``python``, the interpreter whose
+        environment (its NIXL) the peer runs in."""
         self.role = role
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "neuron_disagg.testing.peer", "--role", role, *args],
+            [*prefix, python, "-m", "neuron_disagg.testing.peer", "--role", role, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "NEURON_DISAGG_SECRET": SECRET, **(env or {})})
         self.replies: queue.Queue = queue.Queue()
@@ -36,6 +38,7 @@ class PeerProcess:
         ready = self.wait_event(lambda e: e["event"] == "ready", 60)
         self.address, self.agent = ready["address"], ready["agent"]
         self.backends = ready.get("backends", [])  # what the NIXL agent really loaded
+        self.nixl = ready.get("nixl")  # the NIXL version it loaded
 
     def _read(self) -> None:
         for line in self.proc.stdout:

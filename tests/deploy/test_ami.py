@@ -99,7 +99,7 @@ def test_template_provisions_every_script_in_order_and_ends_with_doctor(template
     assert unquote(variables["doctor_command"]["default"]) == ""  # 90-doctor.sh: --image --platform <source>
     doctor = (AMI / "scripts/90-doctor.sh").read_text()
     assert "neuron-disagg doctor --image --platform ${PLATFORM" in doctor
-    assert unquote(variables["nixl_version"]["default"]) == "1.4.1"
+    assert unquote(variables["nixl_version"]["default"]) == "1.5.0"
 
 
 def steps_for(template, source: str) -> list[str]:

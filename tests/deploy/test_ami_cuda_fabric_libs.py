@@ -32,6 +32,7 @@ class Planned:
         monkeypatch.setattr(fabric_libs, "missing",
                             lambda plugin, directory=None, search_path=None: answers.pop(0) if answers else [])
         monkeypatch.setattr(fabric_libs, "loads", lambda directory, python=None: "loaded")
+        monkeypatch.setattr(fabric_libs, "abi_lacking", lambda *args, **kwargs: [])  # a new enough libfabric
 
         def cudart(directory, major, python):
             self.calls.append(("cudart", major))
@@ -127,6 +128,7 @@ def fake_linker(monkeypatch, lacking: list[str], state: str = "nixlNotFoundError
     monkeypatch.setattr(fabric_libs, "loads", lambda directory, python=None: state)
     monkeypatch.setattr(fabric_libs, "plugin", lambda python=None: PLUGIN)
     monkeypatch.setattr(fabric_libs, "missing", missing)
+    monkeypatch.setattr(fabric_libs, "abi_lacking", lambda *args, **kwargs: [])  # a new enough libfabric
     return asked
 
 

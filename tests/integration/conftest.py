@@ -1,14 +1,21 @@
 import pytest
 
 from ..vllm_envs import extra_env, main_env
-from .fabrics import libfabric, peers_on, ucx
+from .fabrics import NIXL_RELEASES, libfabric, peers_on, ucx
+
+# ./.venv's NIXL keeps the plain ids ("UCX", "LIBFABRIC"); the others name their release.
+FABRICS = [pytest.param((backend, release), id=backend if release.venv is None else f"{backend}-nixl-{release.version}")
+           for release in NIXL_RELEASES for backend in release.backends]
 
 
-@pytest.fixture(scope="session", params=["UCX", "LIBFABRIC"])
+@pytest.fixture(scope="session", params=FABRICS)
 def fabric(request, tmp_path_factory):
-    """Each cross-process transfer test runs over both NIXL backends (see fabrics.py)."""
+    """Each cross-process transfer test runs over both NIXL backends, on each NIXL release that
+    backend can load here (see fabrics.py)."""
     pytest.importorskip("nixl", reason="the NIXL package is installed by scripts/setup.sh")
-    made = ucx() if request.param == "UCX" else libfabric(tmp_path_factory.mktemp("libfabric"))
+    backend, release = request.param
+    pinned = None if release.venv is None else release
+    made = ucx(pinned) if backend == "UCX" else libfabric(tmp_path_factory.mktemp("libfabric"), pinned)
     yield made
     made.close()
 

@@ -1,5 +1,7 @@
 """The NIXL backends the cross-process transfer tests run over: UCX on loopback, and LIBFABRIC —
-the EFA backend of trn2 and p5en — through libfabric's tcp provider.
+the EFA backend of trn2 and p5en — through libfabric's tcp provider; and the NIXL releases they run
+on (``NIXL_RELEASES``): 1.4.1 and 1.5.0 over both, 1.5.1 over UCX. 1.5.1's LIBFABRIC plugin needs a
+libfabric exporting ``FABRIC_1.10`` (2.7.0), which no index here has (docs/verified.md).
 
 LIBFABRIC needs libfabric 2.1.0 and a few libraries this machine lacks (``scripts/libfabric.sh``
 builds and caches them; ``scripts/setup.sh`` runs it), and its tcp provider ignores the loopback
@@ -19,6 +21,34 @@ from pathlib import Path
 from neuron_disagg.testing.peer_process import PeerProcess
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class NixlRelease:
+    version: str
+    venv: str | None  # None: ./.venv, the test runner's own
+    backends: tuple[str, ...]
+
+    @property
+    def python(self) -> str:
+        """The environment's interpreter; a missing one fails the test that needs it, saying how to
+        build it."""
+        if self.venv is None:
+            return sys.executable
+        python = REPO / self.venv / "bin" / "python"
+        if not python.exists():
+            raise RuntimeError(f"no NIXL {self.version} environment at {python.parent.parent}: run "
+                               "`bash scripts/setup.sh`")
+        return str(python)
+
+
+#: 1.4.1: ./.venv's, and the Neuron plugin's vLLM 0.29's. 1.5.0: what `neuron-disagg[cuda]` installs
+#: beside vLLM 0.33 and 0.34 (which refuse older), in their environment (scripts/vllm_env.sh).
+#: 1.5.1: the newest these indexes have (scripts/nixl_env.sh).
+NIXL_RELEASES = (NixlRelease("1.4.1", None, ("UCX", "LIBFABRIC")),
+                 NixlRelease("1.5.0", ".venv-vllm-0.34.0", ("UCX", "LIBFABRIC")),
+                 NixlRelease("1.5.1", ".venv-nixl-1.5.1", ("UCX",)))
+NEWEST_NIXL = NIXL_RELEASES[-1]
 NAMESPACE_SETUP = ("ip link set lo up && ip link add v0 type veth peer name v1 && "
                    "ip addr add 198.18.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up && "
                    "touch {ready} && exec sleep 1000000")
@@ -30,9 +60,17 @@ class Fabric:
     env: dict = field(default_factory=dict)
     prefix: tuple[str, ...] = ()
     holder: subprocess.Popen | None = None
+    python: str = sys.executable  # the interpreter of the environment whose NIXL the peers load
+    nixl: str | None = None  # the NIXL version they must report, where the test names one
 
     def peer(self, role: str, *args: str) -> PeerProcess:
-        return PeerProcess(role, "--backend", self.backend, *args, env=self.env, prefix=self.prefix)
+        proc = PeerProcess(role, "--backend", self.backend, *args, env=self.env, prefix=self.prefix,
+                           python=self.python)
+        if self.nixl is not None and proc.nixl != self.nixl:
+            proc.kill()
+            raise RuntimeError(f"a peer of {self.python} loaded NIXL {proc.nixl}, not {self.nixl}: "
+                               "rebuild that environment (`bash scripts/setup.sh`)")
+        return proc
 
     def send(self, address: str, secret: bytes, message) -> None:
         """Sends one signed message to a side channel the way any host on the peers' network could
@@ -43,7 +81,7 @@ class Fabric:
         sender = ("import socket, sys, time; from neuron_disagg.transfer.side_channel import write_frame; "
                   "host, port = sys.argv[1].rsplit(':', 1); s = socket.create_connection((host, int(port))); "
                   "write_frame(s, sys.stdin.buffer.read()); time.sleep(0.2); s.close()")
-        subprocess.run([*self.prefix, sys.executable, "-c", sender, address], input=frame, check=True, timeout=30)
+        subprocess.run([*self.prefix, self.python, "-c", sender, address], input=frame, check=True, timeout=30)
 
     def close(self) -> None:
         if self.holder is not None and self.holder.poll() is None:
@@ -67,8 +105,11 @@ def peers_on(fabric: Fabric):
             proc.kill()
 
 
-def ucx() -> Fabric:
-    return Fabric("UCX")
+def ucx(release: NixlRelease | None = None) -> Fabric:
+    """``release``: the peers run in its environment, and must load it; None: this interpreter's NIXL."""
+    if release is None:
+        return Fabric("UCX")
+    return Fabric("UCX", python=release.python, nixl=release.version)
 
 
 def libfabric_libs() -> str:
@@ -88,7 +129,7 @@ def libfabric_alone(directory: Path) -> Path:
     return directory
 
 
-def libfabric(tmp: Path) -> Fabric:
+def libfabric(tmp: Path, release: NixlRelease | None = None) -> Fabric:
     """The libraries (scripts/libfabric.sh), then a private network namespace for the peers."""
     libs = libfabric_libs()
     ready = tmp / "netns-ready"
@@ -102,4 +143,7 @@ def libfabric(tmp: Path) -> Fabric:
         time.sleep(0.05)
     env = {"LD_LIBRARY_PATH": ":".join(p for p in (libs, os.environ.get("LD_LIBRARY_PATH")) if p),
            "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "v0"}
-    return Fabric("LIBFABRIC", env, ("nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"), holder)
+    made = Fabric("LIBFABRIC", env, ("nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"), holder)
+    if release is not None:
+        made.python, made.nixl = release.python, release.version
+    return made

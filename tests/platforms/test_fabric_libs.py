@@ -19,7 +19,7 @@ from neuron_disagg.config import Config, ConfigError
 from neuron_disagg.platforms import fabric_libs
 from neuron_disagg.vllm import serve
 
-from ..integration.fabrics import libfabric_alone
+from ..integration.fabrics import NEWEST_NIXL, libfabric_alone, libfabric_libs
 
 HIDE_CUDA = 'for d in /usr/local/cuda*; do [ -L "$d" ] || mount -t tmpfs none "$d"; done; exec "$@"'
 DRIVER = r"""
@@ -49,6 +49,48 @@ def test_without_a_cuda_runtime_the_stub_alone_fails_and_install_fabric_libs_mak
     assert {"libcuda.so.1", "libcudart.so.13", "libhwloc.so.15"} == set(out["provided"]), out
     assert out["after"] == "loaded", out
     assert (tmp_path / "fabric-libs" / fabric_libs.STAMP).exists()
+
+
+ABI_DRIVER = r"""
+import json, pathlib, sys
+from neuron_disagg.platforms import fabric_libs
+try:
+    print(json.dumps({"provided": fabric_libs.install(pathlib.Path(sys.argv[1]))}))
+except fabric_libs.FabricLibsError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.integration  # NIXL 1.5.1 lives in another environment
+@pytest.mark.parametrize("nixl", ["1.4.1", NEWEST_NIXL.version])
+def test_a_libfabric_too_old_for_the_nixl_plugin_is_named_with_the_nixl_that_fits(tmp_path, nixl):
+    """NIXL 1.5.1's plugin was linked against libfabric 2.7.0 (FABRIC_1.10); the libfabric here,
+    2.1.0, stops at FABRIC_1.8, as the EFA installer 1.50.0's 2.6.0 stops at FABRIC_1.9."""
+    python = sys.executable if nixl == "1.4.1" else NEWEST_NIXL.python
+    done = subprocess.run([python, "-c", ABI_DRIVER, str(tmp_path / "fabric-libs")], capture_output=True, text=True,
+                          timeout=600, env={**_clean_env(), "LD_LIBRARY_PATH": libfabric_libs(),
+                                            "NEURON_DISAGG_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if nixl == "1.4.1":
+        assert out == {"provided": []}  # everything already on the path, and the ABI it needs is there
+    else:
+        assert "needs libfabric ABI FABRIC_1.10 (libfabric >= 2.7.0, EFA installer >= 1.51.0)" in out["error"], out
+        assert "`nixl==1.5.0`" in out["error"], out
+
+
+def test_doctor_names_the_libfabric_abi_a_nixl_build_lacks(host, lib_dirs, monkeypatch):
+    from neuron_disagg import doctor
+    from neuron_disagg.platforms.neuron import NeuronPlatform
+
+    root, _ = host("trn2")
+    monkeypatch.setattr(fabric_libs, "loads", lambda directory, python=sys.executable: "nixlNotFoundError")
+    monkeypatch.setattr(fabric_libs, "plugin", lambda python=None: "libplugin_LIBFABRIC.so")
+    monkeypatch.setattr(fabric_libs, "abi_lacking", lambda *args, **kwargs: ["FABRIC_1.9", "FABRIC_1.10"])
+    check = doctor.check_fabric_libs(NeuronPlatform(root), "LIBFABRIC")
+    assert check.status == "fail" and "FABRIC_1.10 (libfabric >= 2.7.0" in check.fix and "nixl==1.5.0" in check.fix
+    monkeypatch.setattr(fabric_libs, "abi_lacking", lambda *args, **kwargs: [])
+    assert doctor.check_fabric_libs(NeuronPlatform(root), "LIBFABRIC").fix == "sudo neuron-disagg install-fabric-libs"
 
 
 def _clean_env() -> dict:
@@ -97,6 +139,8 @@ def test_doctor_fails_on_a_neuron_host_until_the_backend_loads(host, lib_dirs, m
 
     root, _ = host("trn2")
     monkeypatch.setattr(fabric_libs, "loads", lambda directory, python=sys.executable: "nixlNotFoundError")
+    monkeypatch.setattr(fabric_libs, "plugin", lambda python=None: "libplugin_LIBFABRIC.so")
+    monkeypatch.setattr(fabric_libs, "abi_lacking", lambda *args, **kwargs: [])  # the libfabric is new enough
     before = check_fabric_libs(NeuronPlatform(root), "LIBFABRIC")
     assert (before.status, before.fix) == ("fail", "sudo neuron-disagg install-fabric-libs")
     monkeypatch.setattr(fabric_libs, "loads", lambda directory, python=sys.executable: "loaded")
