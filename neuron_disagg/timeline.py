@@ -27,6 +27,7 @@ from .protocol.messages import TransferId
 log = logging.getLogger(__name__)
 EVENTS = {
     "router_arrived": "the router received the client's request",
+    "router_d_bound": "push: the router chose D and sent its leg (at arrival, or at the binding horizon)",
     "router_p_answered": "the router had P's whole answer (its prefill done; every mode, vLLM's connectors too)",
     "p_arrived": "P's API server created the request (vLLM's arrival_time)",
     "p_scheduled": "P's scheduler allocated its blocks: prefill starts",

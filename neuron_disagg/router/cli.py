@@ -28,6 +28,16 @@ _TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeou
              "prefill_retries", "max_body_bytes", "upstream_connection_limit", "upstream_keepalive_s")
 
 
+def _horizon(value: str) -> int | str:
+    """``--bind-horizon-ms``: "arrival" or milliseconds (validated with the other settings)."""
+    if value == "arrival":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'arrival' or whole milliseconds, got {value!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuron-disagg router",
@@ -49,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                                           f"{API_KEY_ENV} environment variable: flags show in ps)")
     parser.add_argument("--timeline-dir", metavar="DIR",
                         help=RouterSettings.model_fields["timeline_dir"].description)
+    parser.add_argument("--bind-horizon-ms", type=_horizon, metavar="arrival|MS",
+                        help=f"{RouterSettings.model_fields['bind_horizon_ms'].description} (default: arrival)")
     parser.add_argument("--no-decode-fallback", action="store_true",
                         help="fail a request no P can take (502/503) instead of having a D compute it whole")
     parser.add_argument("--log-level", default="INFO",
@@ -70,6 +82,7 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, Para
         mode=args.mode or config.mode,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         timeline_dir=args.timeline_dir, decode_fallback=False if args.no_decode_fallback else None,
+        bind_horizon_ms=None if args.bind_horizon_ms in (None, "arrival") else args.bind_horizon_ms,
         **{name: getattr(args, name) for name in _TUNABLES})
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .binding import bind_at
 from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse_error_event)
 from .instances import Instance
@@ -55,6 +56,16 @@ class RequestContext:
     arrived: float           # monotonic
     log: RequestLog
     arrived_at: float = field(default_factory=time.time)  # wall clock, for the timeline
+
+
+@dataclass(frozen=True)
+class PrefillLeg:
+    """A P leg as dispatched: when it was sent, when P should answer it (None: no pace yet), and
+    the prompt tokens it carries."""
+
+    sent: float
+    predicted: float | None
+    tokens: int
 
 
 def _has_offer(params: dict[str, Any]) -> bool:
@@ -139,35 +150,49 @@ class Flows:
         """At shutdown: P legs still draining are closed."""
         await _cancel(*self._draining)
 
-    # -- push: both legs at once under one transfer id --------------------------------------------
+    # -- push: P's leg at arrival, D's at the binding horizon, under one transfer id --------------
     async def _push(self, req: ClientRequest, ctx: RequestContext) -> tuple[DecodeLeg, asyncio.Task | None]:
         tried: set[Instance] = set()
         attempt = 0
+        horizon_ms = self.settings.bind_horizon_ms if req.mode == "push" else None
         while True:
             p = self._pick_prefill(tried)
             if p is None:
                 return await self._whole_on_decode(req, ctx, attempt, "no_prefill"), None
-            d = self._pick("decode")
             tid = format_transfer_id(ctx.transfer_base, attempt)
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
-            ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
-            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode))
-            d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
-                req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path, prompt_count(req.body)))
-            d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
+            leg = self._dispatch(p, req.prompt_tokens)
+            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode, leg=leg))
+            d_leg: DecodeLeg | None = None
+            d_task: asyncio.Task | None = None
             committed = False
             try:
-                done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-                if d_task in done or p_task.exception() is None:
+                horizon_s = None if horizon_ms is None else horizon_ms / 1e3
+                await self._until_bind_time(p_task, bind_at(leg.predicted, horizon_s, leg.sent), req.mode)
+                if not (p_task.done() and p_task.exception() is not None):  # else P failed unbound: retry
                     try:
-                        await d_task  # D's failure is the request's failure; P is cancelled below
-                    except (RouterError, UpstreamRejected) as exc:
-                        self._withdraw_if_untaken(req, p, d, tid, exc)
+                        d = self._pick("decode")  # from D's load now, not at arrival
+                    except NoInstance as exc:
+                        self._withdraw_if_untaken(req, p, None, tid, exc)
                         raise
-                    committed = True
-                    return d_leg, p_task
-                # P failed before D sent anything. D would wait for KV that never comes: close its
-                # leg (finally) and, if allowed, start over on another P with a new transfer id.
+                    ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
+                    self.timeline.mark(tid, "router_d_bound")
+                    d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
+                        req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path,
+                        prompt_count(req.body)))
+                    d_task = asyncio.create_task(self._open_decode(d_leg, req, ctx, tid))
+                    done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                    if d_task in done or p_task.exception() is None:
+                        try:
+                            await d_task  # D's failure is the request's failure; P is cancelled below
+                        except (RouterError, UpstreamRejected) as exc:
+                            self._withdraw_if_untaken(req, p, d, tid, exc)
+                            raise
+                        committed = True
+                        return d_leg, p_task
+                # P failed before D sent anything (or before D was bound). D would wait for KV that
+                # never comes: close its leg (finally) and, if allowed, start over on another P with
+                # a new transfer id.
                 exc = p_task.exception()
                 assert exc is not None
                 tried.add(p)
@@ -176,13 +201,14 @@ class Flows:
                         raise exc
                     fallback = exc
                     break
-                ctx.log.warning("transfer_id=%s: P %s failed (%s); cancelled D %s, retrying on "
-                                "another P", tid, p.url, getattr(exc, "code", exc), d.url)
+                ctx.log.warning("transfer_id=%s: P %s failed (%s); %s, retrying on another P", tid, p.url,
+                                getattr(exc, "code", exc), "no D bound yet" if d_leg is None else f"cancelled D {d_leg.inst.url}")
                 self.metrics.retries.labels(req.mode, getattr(exc, "code", "error")).inc()
             finally:
                 if not committed:
-                    await _cancel(p_task, d_task)
-                    d_leg.close()
+                    await _cancel(p_task, *([d_task] if d_task is not None else []))
+                    if d_leg is not None:
+                        d_leg.close()
             attempt += 1
         return await self._whole_on_decode(req, ctx, attempt + 1, fallback.code), None
 
@@ -198,8 +224,9 @@ class Flows:
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
             try:  # one leg, or one per distinct prompt of a list: D needs each prompt's offer
-                answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, body)
-                                                 for body in prefill_bodies(req, req.mode, tid, self.signer)))
+                bodies = prefill_bodies(req, req.mode, tid, self.signer)
+                answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, body, self._dispatch(
+                    p, req.prompt_tokens // len(bodies))) for body in bodies))
                 break
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
@@ -294,15 +321,37 @@ class Flows:
         if exc.unreachable and exc.instance is not None and self.pool.set_health(exc.instance, False):
             ctx.log.warning("ejected %s until a health check passes", exc.instance.url)
 
+    def _dispatch(self, p: Instance, tokens: int) -> PrefillLeg:
+        """A P leg about to be sent: when, and when P should answer it (``binding.py``)."""
+        now = time.monotonic()
+        return PrefillLeg(now, p.pace.dispatch(now, tokens), tokens)
+
+    async def _until_bind_time(self, p_task: asyncio.Task, when: float | None, mode: Mode) -> None:
+        """Push: returns when D's leg should go out (``binding.bind_at``), or once P's leg ended."""
+        started = time.monotonic()
+        if when is None:
+            await asyncio.wait({p_task})
+        elif when > started:
+            await asyncio.wait({p_task}, timeout=when - started)
+        self.metrics.bind_wait.labels(mode).observe(time.monotonic() - started)
+
     async def _prefill(self, req: ClientRequest, ctx: RequestContext, p: Instance, tid: str,
-                       mode: Mode, body: dict[str, Any] | None = None) -> dict[str, Any]:
+                       mode: Mode, body: dict[str, Any] | None = None, leg: PrefillLeg | None = None) -> dict[str, Any]:
+        """P's leg (``leg``: from ``_dispatch``); its answer measures P's pace."""
+        leg = leg or self._dispatch(p, req.prompt_tokens)
         with self.pool.lease(p, req.prompt_tokens):
             try:
                 answer = await prefill_leg(self.upstream, p, req.path, body or prefill_body(req, mode, tid, self.signer),
                                            {**ctx.headers, "X-Request-Id": tid}, self._p_timeout)
-            except RouterError as exc:
-                self._failed(ctx, tid, exc)
+            except BaseException as exc:
+                p.pace.ended(time.monotonic(), leg.predicted)
+                if isinstance(exc, RouterError):
+                    self._failed(ctx, tid, exc)
                 raise
+            now = time.monotonic()
+            p.pace.answered(leg.sent, now, leg.tokens, leg.predicted)
+            if leg.predicted is not None:
+                self.metrics.prediction_error.observe(leg.predicted - now)
             self.timeline.mark(tid, "router_p_answered")
             return answer
 

@@ -8,12 +8,13 @@ on each one for the length of a leg, which is what the load-based choice counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from yarl import URL
 
 from ..kv_params import ROLES, Role
+from .binding import PrefillPace
 
 SPEC_FORM = ("URL[,side_channel=HOST:PORT][,tp=N][,engine_id=ID], e.g. "
              "http://10.0.0.5:8100,side_channel=10.0.0.5:5600,tp=8")
@@ -48,6 +49,7 @@ class Instance:
     engine: EngineLoad | None = None
     removed: bool = False
     role_mismatch: str | None = None  # its connector runs the other role (health.py): why
+    pace: PrefillPace = field(default_factory=PrefillPace)  # P only: when its legs should be answered
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "url": self.url, "healthy": self.healthy,

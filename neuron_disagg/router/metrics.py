@@ -14,6 +14,10 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
                       120.0, 300.0, 600.0)
 
 
+_ERROR_BUCKETS_S = (-10.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 10.0)
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -38,6 +42,11 @@ class RouterMetrics:
                                 registry=r)
         self.withdrawals = Counter(p + "withdrawals", "Requests whose KV P was told no decode instance "
                                    "will take (D refused the request or was never sent it)", registry=r)
+        self.bind_wait = Histogram(p + "bind_wait_seconds", "Push: P's leg sent -> D chosen and its leg sent "
+                                   "(bind_horizon_ms)", ["mode"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.prediction_error = Histogram(p + "prefill_prediction_error_seconds", "P's predicted answer time minus "
+                                          "its real one (negative: P answered later than predicted)",
+                                          buckets=_ERROR_BUCKETS_S, registry=r)
         self._children: dict[Instance, tuple[Any, Any, Any]] = {}
 
     def instance_changed(self, inst: Instance) -> None:

@@ -54,6 +54,9 @@ class RouterSettings(BaseModel):
     # vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default).
     upstream_keepalive_s: float = Field(4.0, gt=0, le=3600, description="idle upstream connections are "
                                         "closed after this; keep it below the instances' keep-alive timeout")
+    bind_horizon_ms: int | None = Field(
+        None, ge=0, le=600_000, description="push: send D's leg (and choose D) when P's predicted remaining "
+        "prefill time falls to this; None ('arrival'): both legs at arrival; 0: when P answers")
     timeline_dir: str | None = Field(None, min_length=1, description="append each transfer's arrival "
                                      "and first-byte times here (see neuron_disagg.timeline)")
 
