@@ -459,6 +459,38 @@ def test_through_the_router_streaming_and_not_equals_monolithic(cluster, routed)
     blocks_back(cluster)
 
 
+def test_push_bound_when_p_answers_equals_monolithic_and_p_writes_once_d_registers(cluster):
+    """A router with ``--bind-horizon-ms 0`` chooses D and sends its leg only after P answered: P
+    holds the finished KV (streamed chunks noted, nothing written) until D's registration, then
+    writes it at once. Each answer equals monolithic's, and the router's timeline shows D bound after
+    P answered."""
+    texts = [prompt(30, 71), prompt(400, 72), prompt(120, 73)]
+    late = router([(cluster.p.url, cluster.p_side)], [cluster.d.url], free_port(), timeline_dir=cluster.timeline_dir,
+                  secret=cluster.secret, extra_args=("--bind-horizon-ms", "0")).start()
+    try:
+        late.wait_ready(60)
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                want = [await reference(cluster, client, t, 12) for t in texts]
+                got = []
+                for i, t in enumerate(texts):
+                    r = await client.post(f"{late.url}/v1/completions", json=body(t, 12),
+                                          headers={"X-Request-Id": f"late-bound-{next_id()}-{i}"})
+                    assert r.status_code == 200, r.text
+                    got.append(r.json()["choices"][0]["text"])
+            return want, got
+
+        want, got = run(scenario())
+        assert got == want
+        events = [e for tid, e in timeline.load(cluster.timeline_dir).items() if tid.startswith("late-bound-")]
+        assert len(events) == len(texts)
+        assert all(e["router_d_bound"] >= e["router_p_answered"] for e in events), events
+    finally:
+        late.stop()
+    blocks_back(cluster)
+
+
 def test_a_registration_that_came_first_is_planned_and_built_during_the_last_forward(cluster):
     """D's registration reached P's writer before P scheduled the prefill (sent first here, so that
     no race decides it; through the router both legs leave at once and either may win): the writer
