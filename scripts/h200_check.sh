@@ -9,12 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.device-wheels
+NIXL=1.5.0  # what the p5en image installs (ami/scripts/30-python.sh)
 PYTHON=${PYTHON:-python3}
 
 if [ "${1:-}" = --fetch ]; then
   # The nixl meta package with --no-deps: it pins the CUDA 12 and 13 builds, and only 13 is wanted.
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 -d "$WHEELS" "nixl==1.4.1" "nixl-cu13==1.4.1" "msgspec>=0.18"
+    --platform manylinux_2_28_x86_64 -d "$WHEELS" "nixl==$NIXL" "nixl-cu13==$NIXL" "msgspec>=0.18"
   du -sh "$WHEELS"
   exit 0
 fi
