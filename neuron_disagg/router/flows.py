@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from .binding import bind_at
+from .selection import decode_running
 from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse_error_event)
 from .instances import Instance
@@ -175,6 +176,7 @@ class Flows:
                     except NoInstance as exc:
                         self._withdraw_if_untaken(req, p, None, tid, exc)
                         raise
+                    self._note_decode_balance(req.mode)
                     ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
                     self.timeline.mark(tid, "router_d_bound")
                     d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
@@ -265,6 +267,15 @@ class Flows:
         return self.pool.pick(role, time.monotonic(), exclude=frozenset(exclude or ()),
                               metrics_stale_s=self.settings.metrics_stale_s,
                               kv_cache_full_fraction=self.settings.kv_cache_full_fraction)
+
+    def _note_decode_balance(self, mode: Mode) -> None:
+        """How unevenly the healthy D's are loaded as a D leg goes out: the most running sequences over
+        the mean (1: even), which binding later is meant to keep low."""
+        now = time.monotonic()
+        running = [decode_running(i, now, self.settings.metrics_stale_s) for i in self.pool.healthy("decode")]
+        mean = sum(running) / len(running) if running else 0.0
+        if mean > 0:
+            self.metrics.decode_imbalance.labels(mode).observe(max(running) / mean)
 
     def _pick_prefill(self, tried: set[Instance]) -> Instance | None:
         """A P for the next attempt; None when none is healthy and a D may compute the request whole."""

@@ -47,6 +47,9 @@ class RouterMetrics:
         self.prediction_error = Histogram(p + "prefill_prediction_error_seconds", "P's predicted answer time minus "
                                           "its real one (negative: P answered later than predicted)",
                                           buckets=_ERROR_BUCKETS_S, registry=r)
+        self.decode_imbalance = Histogram(p + "decode_imbalance", "Push: the most running sequences on a healthy D "
+                                          "over the mean, as a D leg goes out (1: even)", ["mode"],
+                                          buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
         self._children: dict[Instance, tuple[Any, Any, Any]] = {}
 
     def instance_changed(self, inst: Instance) -> None:

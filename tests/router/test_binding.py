@@ -100,6 +100,21 @@ async def test_a_decode_instance_that_failed_during_the_prefill_is_not_chosen():
         assert not d0.requests and len(d1.requests) == 1
 
 
+async def test_the_decode_balance_is_recorded_as_each_decode_leg_goes_out():
+    async with cluster(prefill=1, decode=2, mode="push") as c:
+        c.decodes[0].hold = asyncio.Event()  # D0 keeps its first request running
+        first = asyncio.create_task(c.post("/v1/completions", completion()))
+        await until(lambda: c.decodes[0].requests, "D0's leg")
+        assert (await c.post("/v1/completions", completion()))[0] == 200  # to D1: one running on each side
+        assert c.decodes[1].requests
+        c.decodes[0].hold.set()
+        assert (await first)[0] == 200
+    count = _metric(c, "neuron_disagg_router_decode_imbalance_count", mode="push")
+    evenly = _metric(c, "neuron_disagg_router_decode_imbalance_bucket", mode="push", le="1.0")
+    assert (count, evenly) == (1, 0)  # the first went out to an idle pair (nothing to weigh); the second
+    assert _metric(c, "neuron_disagg_router_decode_imbalance_sum", mode="push") == 2.0  # saw 1 and 0: max/mean 2
+
+
 async def test_with_a_measured_pace_d_is_bound_before_p_answers_but_not_at_arrival():
     async with cluster(prefill=1, decode=1, mode="push", bind_horizon_ms=500) as c:
         p, d = c.prefills[0], c.decodes[0]
