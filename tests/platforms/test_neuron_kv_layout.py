@@ -15,12 +15,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from neuron_disagg.platforms.kv_layout import HEADS, KV, TOKENS, KVGeometry, UnsupportedKVLayout, regions_from_kv_caches
-from neuron_disagg.vllm.compat import backend_dims
+torch = pytest.importorskip("torch", reason="torch's CPU build is installed with vLLM by scripts/setup.sh")
 
-from .. import kv_bytes
+from neuron_disagg.platforms.kv_layout import HEADS, KV, TOKENS, KVGeometry, UnsupportedKVLayout, regions_from_kv_caches  # noqa: E402
+from neuron_disagg.vllm.compat import backend_dims  # noqa: E402
+
+from .. import kv_bytes  # noqa: E402
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "neuron_plugin_kv.json").read_text())
 DECLARED = tuple(FIXTURE["declaration"]["dims"])

@@ -1,12 +1,13 @@
 """Host staging's slots and copies, on CPU torch tensors shaped as vLLM lays KV out."""
 
 import pytest
-import torch
 
-from neuron_disagg.platforms.kv_layout import (
+torch = pytest.importorskip("torch", reason="torch's CPU build is installed with vLLM by scripts/setup.sh")
+
+from neuron_disagg.platforms.kv_layout import (  # noqa: E402
     BLOCKS, HEAD, HEADS, KV, TOKENS, VLLM_LAYER_VIEW, KVGeometry, described_kv_caches, staging_rows,
 )
-from neuron_disagg.transfer.staging import HostStaging
+from neuron_disagg.transfer.staging import HostStaging  # noqa: E402
 
 DIMS = {"layers.0": VLLM_LAYER_VIEW, "layers.1": (KV, BLOCKS, TOKENS, HEADS, HEAD)}
 

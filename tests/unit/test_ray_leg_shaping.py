@@ -5,12 +5,14 @@ sends, signed, and the connector's parser reads it back."""
 from __future__ import annotations
 
 import pytest
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from neuron_disagg import kv_params
-from neuron_disagg.kv_params import ParamsSigner
-from neuron_disagg.ray_serve import leg_shaping
+pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: E402
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: E402
+
+from neuron_disagg import kv_params  # noqa: E402
+from neuron_disagg.kv_params import ParamsSigner  # noqa: E402
+from neuron_disagg.ray_serve import leg_shaping  # noqa: E402
 
 SIGNER = ParamsSigner(b"s" * 32)
 

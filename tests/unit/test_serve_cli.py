@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from pathlib import Path
 
+import pytest
+
 from neuron_disagg.vllm import serve
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="serve needs vLLM, installed by scripts/setup.sh")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-32b.yaml"
 
