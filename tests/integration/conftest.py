@@ -3,8 +3,10 @@ import pytest
 from ..vllm_envs import extra_env, main_env
 from .fabrics import NIXL_RELEASES, libfabric, peers_on, ucx
 
-# ./.venv's NIXL keeps the plain ids ("UCX", "LIBFABRIC"); the others name their release.
-FABRICS = [pytest.param((backend, release), id=backend if release.venv is None else f"{backend}-nixl-{release.version}")
+# ./.venv's NIXL keeps the plain ids ("UCX", "LIBFABRIC"); the others name their release. A release
+# marked extended runs in the extended tier only (CI's time).
+FABRICS = [pytest.param((backend, release), id=backend if release.venv is None else f"{backend}-nixl-{release.version}",
+                        marks=[pytest.mark.extended] if release.extended else [])
            for release in NIXL_RELEASES for backend in release.backends]
 
 

@@ -28,6 +28,7 @@ class NixlRelease:
     version: str
     venv: str | None  # None: ./.venv, the test runner's own
     backends: tuple[str, ...]
+    extended: bool = False  # only in the extended tier (scripts/extended.sh builds its environment)
 
     @property
     def python(self) -> str:
@@ -38,16 +39,17 @@ class NixlRelease:
         python = REPO / self.venv / "bin" / "python"
         if not python.exists():
             raise RuntimeError(f"no NIXL {self.version} environment at {python.parent.parent}: run "
-                               "`bash scripts/setup.sh`")
+                               f"`bash scripts/{'extended' if self.extended else 'setup'}.sh`")
         return str(python)
 
 
 #: 1.4.1: ./.venv's, and the Neuron plugin's vLLM 0.29's. 1.5.0: what `neuron-disagg[cuda]` installs
 #: beside vLLM 0.33 and 0.34 (which refuse older), in their environment (scripts/vllm_env.sh).
-#: 1.5.1: the newest these indexes have (scripts/nixl_env.sh).
+#: 1.5.1: the newest these indexes have (scripts/nixl_env.sh), in the extended tier: its Python and
+#: UCX path are 1.5.0's, and CI's 30 minutes are short.
 NIXL_RELEASES = (NixlRelease("1.4.1", None, ("UCX", "LIBFABRIC")),
                  NixlRelease("1.5.0", ".venv-vllm-0.34.0", ("UCX", "LIBFABRIC")),
-                 NixlRelease("1.5.1", ".venv-nixl-1.5.1", ("UCX",)))
+                 NixlRelease("1.5.1", ".venv-nixl-1.5.1", ("UCX",), extended=True))
 NEWEST_NIXL = NIXL_RELEASES[-1]
 NAMESPACE_SETUP = ("ip link set lo up && ip link add v0 type veth peer name v1 && "
                    "ip addr add 198.18.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up && "

@@ -62,7 +62,7 @@ except fabric_libs.FabricLibsError as exc:
 
 
 @pytest.mark.integration  # NIXL 1.5.1 lives in another environment
-@pytest.mark.parametrize("nixl", ["1.4.1", NEWEST_NIXL.version])
+@pytest.mark.parametrize("nixl", ["1.4.1", pytest.param(NEWEST_NIXL.version, marks=pytest.mark.extended)])
 def test_a_libfabric_too_old_for_the_nixl_plugin_is_named_with_the_nixl_that_fits(tmp_path, nixl):
     """NIXL 1.5.1's plugin was linked against libfabric 2.7.0 (FABRIC_1.10); the libfabric here,
     2.1.0, stops at FABRIC_1.8, as the EFA installer 1.50.0's 2.6.0 stops at FABRIC_1.9."""
