@@ -73,12 +73,20 @@ def test_the_horizon_is_arrival_or_milliseconds_and_anything_else_fails_at_start
 
 
 # -- through the router, against scripted instances --------------------------------------------------
+async def _held_at_p(c, what: str = "P's leg", **body) -> asyncio.Task:
+    """A request sent while the first P holds its answer; returns once P has its leg."""
+    p = c.prefills[0]
+    p.hold = asyncio.Event()
+    task = asyncio.create_task(c.post("/v1/completions", completion(**body)))
+    count = len(p.requests)
+    await until(lambda: len(p.requests) > count, what)
+    return task
+
+
 async def test_with_a_horizon_of_zero_d_gets_its_leg_only_after_p_answered():
     async with cluster(prefill=1, decode=1, mode="push", bind_horizon_ms=0) as c:
         p, d = c.prefills[0], c.decodes[0]
-        p.hold = asyncio.Event()
-        task = asyncio.create_task(c.post("/v1/completions", completion()))
-        await until(lambda: p.requests, "P's leg")
+        task = await _held_at_p(c)
         await asyncio.sleep(0.3)
         assert not d.requests, "D was chosen at arrival although a horizon is set"
         p.hold.set()
@@ -90,9 +98,7 @@ async def test_with_a_horizon_of_zero_d_gets_its_leg_only_after_p_answered():
 async def test_a_decode_instance_that_failed_during_the_prefill_is_not_chosen():
     async with cluster(prefill=1, decode=2, mode="push", bind_horizon_ms=0) as c:
         p, (d0, d1) = c.prefills[0], c.decodes
-        p.hold = asyncio.Event()
-        task = asyncio.create_task(c.post("/v1/completions", completion()))
-        await until(lambda: p.requests, "P's leg")  # at arrival D0 was the choice (ties in list order)
+        task = await _held_at_p(c)  # at arrival D0 was the choice (ties in list order)
         c.router.pool.set_health(c.instance(d0), False)  # as its health checks would, once it stopped
         p.hold.set()
         status, _, answer = await task
@@ -111,22 +117,19 @@ async def test_the_decode_balance_is_recorded_as_each_decode_leg_goes_out():
         assert (await first)[0] == 200
     count = _metric(c, "neuron_disagg_router_decode_imbalance_count", mode="push")
     evenly = _metric(c, "neuron_disagg_router_decode_imbalance_bucket", mode="push", le="1.0")
-    assert (count, evenly) == (1, 0)  # the first went out to an idle pair (nothing to weigh); the second
-    assert _metric(c, "neuron_disagg_router_decode_imbalance_sum", mode="push") == 2.0  # saw 1 and 0: max/mean 2
+    # The first leg went out to two idle D's (nothing to weigh); the second saw 1 and 0 running: 2.
+    assert (count, evenly) == (1, 0)
+    assert _metric(c, "neuron_disagg_router_decode_imbalance_sum", mode="push") == 2.0
 
 
 async def test_with_a_measured_pace_d_is_bound_before_p_answers_but_not_at_arrival():
     async with cluster(prefill=1, decode=1, mode="push", bind_horizon_ms=500) as c:
         p, d = c.prefills[0], c.decodes[0]
-        p.hold = asyncio.Event()
-        first = asyncio.create_task(c.post("/v1/completions", completion()))
-        await until(lambda: p.requests, "the first P leg")
+        first = await _held_at_p(c, "the first P leg")
         await asyncio.sleep(1.2)  # P's pace: about 1.2 s for this prompt
         p.hold.set()
         assert (await first)[0] == 200
-        p.hold = asyncio.Event()
-        second = asyncio.create_task(c.post("/v1/completions", completion()))
-        await until(lambda: len(p.requests) == 2, "the second P leg")
+        second = await _held_at_p(c, "the second P leg")
         sent = time.monotonic()
         await until(lambda: len(d.requests) == 2, "the second D leg, before P answers", timeout_s=10)
         assert time.monotonic() - sent > 0.4, "bound at arrival: the horizon is 0.5 s before a 1.2 s prefill"
@@ -139,9 +142,8 @@ async def test_with_a_measured_pace_d_is_bound_before_p_answers_but_not_at_arriv
 async def test_a_prefill_that_fails_before_d_is_bound_is_retried_and_no_decode_leg_is_wasted():
     async with cluster(prefill=2, decode=1, mode="push", bind_horizon_ms=0) as c:
         (p0, p1), d = c.prefills, c.decodes[0]
-        p0.hold, p0.fail_status = asyncio.Event(), 500
-        task = asyncio.create_task(c.post("/v1/completions", completion()))
-        await until(lambda: p0.requests, "attempt 0 on P0")
+        p0.fail_status = 500
+        task = await _held_at_p(c, "attempt 0 on P0")
         p0.hold.set()
         status, _, answer = await task
         assert status == 200, answer
@@ -156,9 +158,7 @@ async def test_no_healthy_decode_at_bind_time_fails_clearly_and_tells_p():
         async with cluster(prefill=1, decode=1, mode="push", bind_horizon_ms=0, codec=codec,
                            p_side_channel=(f"127.0.0.1:{port}", 1)) as c:
             p, d = c.prefills[0], c.decodes[0]
-            p.hold = asyncio.Event()
-            task = asyncio.create_task(c.post("/v1/completions", completion()))
-            await until(lambda: p.requests, "P's leg")
+            task = await _held_at_p(c)
             c.router.pool.set_health(c.instance(d), False)
             p.hold.set()
             status, _, answer = await task
@@ -173,9 +173,7 @@ async def test_no_healthy_decode_at_bind_time_fails_clearly_and_tells_p():
 async def test_a_client_gone_before_d_is_bound_cancels_p_at_once():
     async with cluster(prefill=1, decode=1, mode="push", bind_horizon_ms=0) as c:
         p, d = c.prefills[0], c.decodes[0]
-        p.hold = asyncio.Event()
-        task = asyncio.create_task(c.post("/v1/completions", completion(stream=True)))
-        await until(lambda: p.requests, "P's leg")
+        task = await _held_at_p(c, stream=True)
         task.cancel()
         await until(lambda: p.requests[0].cancelled, "P to see its leg closed")
         assert not d.requests
