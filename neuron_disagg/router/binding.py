@@ -56,9 +56,10 @@ class PrefillPace:
 
 def bind_at(predicted: float | None, horizon_s: float | None, arrived: float) -> float | None:
     """When D's leg goes out: at arrival without a horizon, ``horizon_s`` before P's predicted
-    answer with one; None: when P answers (no prediction)."""
+    answer with one; None: when P answers (a horizon of 0, or no prediction). A horizon of 0 never
+    trusts the prediction: it is pull's timing."""
     if horizon_s is None:
         return arrived
-    if predicted is None:
+    if predicted is None or horizon_s == 0:
         return None
     return max(arrived, predicted - horizon_s)

@@ -58,8 +58,11 @@ def test_a_failed_leg_frees_the_time_predicted_for_it():
 
 def test_d_is_bound_the_horizon_before_the_predicted_answer_and_never_before_arrival():
     assert bind_at(5.0, 0.5, arrived=1.0) == 4.5
-    assert bind_at(5.0, 0.0, arrived=1.0) == 5.0
     assert bind_at(1.2, 0.5, arrived=1.0) == 1.0
+
+
+def test_a_horizon_of_zero_waits_for_p_s_answer_whatever_the_prediction():
+    assert bind_at(5.0, 0.0, arrived=1.0) is None  # a P answering later than predicted must not see D first
 
 
 def test_the_horizon_is_arrival_or_milliseconds_and_anything_else_fails_at_start(monkeypatch):
@@ -93,6 +96,12 @@ async def test_with_a_horizon_of_zero_d_gets_its_leg_only_after_p_answered():
         status, _, answer = await task
         assert status == 200 and answer["choices"][0]["text"] == "hello world", answer
         assert d.requests[0].params["transfer_id"] == p.requests[0].transfer_id
+        # P's pace is measured now; a P slower than predicted still answers before D is chosen.
+        task = await _held_at_p(c, "the second P leg")
+        await asyncio.sleep(0.6)  # well past the prediction from the first (held 0.3 s)
+        assert len(d.requests) == 1, "a horizon of 0 trusted the prediction over P's answer"
+        p.hold.set()
+        assert (await task)[0] == 200
 
 
 async def test_a_decode_instance_that_failed_during_the_prefill_is_not_chosen():
