@@ -163,7 +163,7 @@ class Flows:
             tid = format_transfer_id(ctx.transfer_base, attempt)
             self.timeline.mark(tid, "router_arrived", ctx.arrived_at)
             leg = self._dispatch(p, req.prompt_tokens)
-            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode, leg=leg))
+            p_task = asyncio.create_task(self._prefill(req, ctx, p, tid, req.mode, leg))
             d_leg: DecodeLeg | None = None
             d_task: asyncio.Task | None = None
             committed = False
@@ -227,8 +227,8 @@ class Flows:
             ctx.log.debug("pull transfer_id=%s P=%s", tid, p.url)
             try:  # one leg, or one per distinct prompt of a list: D needs each prompt's offer
                 bodies = prefill_bodies(req, req.mode, tid, self.signer)
-                answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, body, self._dispatch(
-                    p, req.prompt_tokens // len(bodies))) for body in bodies))
+                answers = await asyncio.gather(*(self._prefill(req, ctx, p, tid, req.mode, self._dispatch(
+                    p, req.prompt_tokens // len(bodies)), body) for body in bodies))
                 break
             except (RouterError, UpstreamRejected) as exc:
                 tried.add(p)
@@ -346,10 +346,9 @@ class Flows:
             await asyncio.wait({p_task}, timeout=when - started)
         self.metrics.bind_wait.labels(mode).observe(time.monotonic() - started)
 
-    async def _prefill(self, req: ClientRequest, ctx: RequestContext, p: Instance, tid: str,
-                       mode: Mode, body: dict[str, Any] | None = None, leg: PrefillLeg | None = None) -> dict[str, Any]:
+    async def _prefill(self, req: ClientRequest, ctx: RequestContext, p: Instance, tid: str, mode: Mode,
+                       leg: PrefillLeg, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """P's leg (``leg``: from ``_dispatch``); its answer measures P's pace."""
-        leg = leg or self._dispatch(p, req.prompt_tokens)
         with self.pool.lease(p, req.prompt_tokens):
             try:
                 answer = await prefill_leg(self.upstream, p, req.path, body or prefill_body(req, mode, tid, self.signer),
