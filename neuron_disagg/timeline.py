@@ -27,7 +27,8 @@ from .protocol.messages import TransferId
 log = logging.getLogger(__name__)
 EVENTS = {
     "router_arrived": "the router received the client's request",
-    "router_d_bound": "push: the router chose D and sent its leg (at arrival, or at the binding horizon)",
+    "router_d_bound": "the router chose D and sent its leg (push: at arrival, or at the binding horizon)",
+    "router_p_predicted": "when the router predicted P would answer (push with a binding horizon, P's pace measured)",
     "router_p_answered": "the router had P's whole answer (its prefill done; every mode, vLLM's connectors too)",
     "p_arrived": "P's API server created the request (vLLM's arrival_time)",
     "p_scheduled": "P's scheduler allocated its blocks: prefill starts",
@@ -124,6 +125,14 @@ def p_and_after(events: dict[str, float]) -> dict[str, float] | None:
     except KeyError:
         return None
     return {"until_p_answered": answered - start, "after_p_answered": end - answered}
+
+
+def prediction_error(events: dict[str, float]) -> float | None:
+    """P's predicted answer minus its real one (seconds; negative: P answered later than predicted)."""
+    try:
+        return events["router_p_predicted"] - events["router_p_answered"]
+    except KeyError:
+        return None
 
 
 PUSH_SEGMENTS = ("router", "queue", "prefill", "registration_wait", "to_writer", "write", "notify",

@@ -24,7 +24,7 @@ from .settings import MODES, RouterSettings
 API_KEY_ENV = "NEURON_DISAGG_ROUTER_API_KEY"
 _TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeout_s",
              "decode_idle_timeout_s", "health_interval_s", "health_timeout_s",
-             "health_failures_to_eject", "metrics_stale_s", "kv_cache_full_fraction",
+             "health_failures_to_eject", "metrics_stale_s", "decode_silent_s", "kv_cache_full_fraction",
              "prefill_retries", "max_body_bytes", "upstream_connection_limit", "upstream_keepalive_s")
 
 

@@ -176,9 +176,7 @@ class Flows:
                     except NoInstance as exc:
                         self._withdraw_if_untaken(req, p, None, tid, exc)
                         raise
-                    self._note_decode_balance(req.mode)
                     ctx.log.debug("push transfer_id=%s P=%s D=%s", tid, p.url, d.url)
-                    self.timeline.mark(tid, "router_d_bound")
                     d_leg = self._decode_leg(req, ctx, d, tid, push_decode_params(
                         req.mode, tid, p.side_channel, p.tp, self.signer, p.engine_id, req.path,
                         prompt_count(req.body)))
@@ -266,7 +264,8 @@ class Flows:
     def _pick(self, role: Role, exclude: set[Instance] | None = None) -> Instance:
         return self.pool.pick(role, time.monotonic(), exclude=frozenset(exclude or ()),
                               metrics_stale_s=self.settings.metrics_stale_s,
-                              kv_cache_full_fraction=self.settings.kv_cache_full_fraction)
+                              kv_cache_full_fraction=self.settings.kv_cache_full_fraction,
+                              silent_s=self.settings.decode_silent_s)
 
     def _note_decode_balance(self, mode: Mode) -> None:
         """How unevenly the healthy D's are loaded as a D leg goes out: the most running sequences over
@@ -362,11 +361,16 @@ class Flows:
             p.pace.answered(leg.sent, now, leg.tokens, leg.predicted)
             if leg.predicted is not None:
                 self.metrics.prediction_error.observe(leg.predicted - now)
+                self.timeline.mark(tid, "router_p_predicted", time.time() + (leg.predicted - now))
             self.timeline.mark(tid, "router_p_answered")
             return answer
 
     def _decode_leg(self, req: ClientRequest, ctx: RequestContext, d: Instance, tid: str,
                     params: dict[str, Any] | None) -> DecodeLeg:
+        """D's leg, about to go out: the moment D is bound, whatever the mode."""
+        self._note_decode_balance(req.mode)
+        self.metrics.decode_legs.labels(d.url).inc()
+        self.timeline.mark(tid, "router_d_bound")
         s = self.settings
         return DecodeLeg(self.upstream, self.pool, d, req.path, decode_body(req, params), tid,
                          {**ctx.headers, "X-Request-Id": tid},

@@ -92,7 +92,12 @@ class HealthMonitor:
 
     async def check(self, inst: Instance) -> bool:
         """One check of one instance; ejects or readmits it. Returns whether it is healthy now."""
-        reason, dead = await self._probe(inst.url + "/health")
+        if inst.unanswered_since is None:
+            inst.unanswered_since = time.monotonic()
+        reason, heard = await self._probe(inst.url + "/health")
+        if heard != "nothing":
+            inst.unanswered_since = None  # it answered, or refused: either way not silent
+        dead = heard == "refused"
         if reason is None and (self.check_roles or inst.role == "decode"):
             reason = await self._scrape(inst)
             dead = reason is not None  # the wrong role: out at once, whatever its health
@@ -110,18 +115,19 @@ class HealthMonitor:
                                inst.failed_checks, reason)
         return inst.healthy
 
-    async def _probe(self, url: str) -> tuple[str | None, bool]:
-        """(None if ``url`` answered 200 else why not, whether nothing is listening at all)."""
+    async def _probe(self, url: str) -> tuple[str | None, str]:
+        """(None if ``url`` answered 200 else why not, what was heard: "answer", "refused" (nothing
+        is listening: the process is gone) or "nothing" (no answer in time: stopped, hung or slow))."""
         try:
             async with self.session.get(url, timeout=self._timeout) as resp:
                 await resp.read()
-                return (None if resp.status == 200 else f"HTTP {resp.status}"), False
+                return (None if resp.status == 200 else f"HTTP {resp.status}"), "answer"
         except asyncio.TimeoutError:
-            return f"no answer within {self.settings.health_timeout_s} s", False
-        except aiohttp.ClientConnectorError as exc:  # refused: the process is gone
-            return f"{type(exc).__name__}: {exc}", True
+            return f"no answer within {self.settings.health_timeout_s} s", "nothing"
+        except aiohttp.ClientConnectorError as exc:
+            return f"{type(exc).__name__}: {exc}", "refused"
         except aiohttp.ClientError as exc:
-            return f"{type(exc).__name__}: {exc}", False
+            return f"{type(exc).__name__}: {exc}", "answer"
 
     async def _scrape(self, inst: Instance) -> str | None:
         """Reads the instance's /metrics: its role (when we check roles) and, for a D, its load.

@@ -8,6 +8,8 @@ on each one for the length of a leg, which is what the load-based choice counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,28 @@ class Instance:
     removed: bool = False
     role_mismatch: str | None = None  # its connector runs the other role (health.py): why
     pace: PrefillPace = field(default_factory=PrefillPace)  # P only: when its legs should be answered
+    # What the router has asked and not yet heard back (``silent``): the oldest health probe still
+    # unanswered (a timeout does not clear it; an answer does), and, while D legs stream, the last chunk.
+    unanswered_since: float | None = None
+    streams: int = 0
+    last_chunk_at: float = 0.0
+
+    def silent(self, now: float, after_s: float) -> bool:
+        """Asked and not answering for ``after_s``: a health probe unanswered that long, or streams
+        that long without a chunk. A stopped process (SIGSTOP, a hung host) is silent long before
+        its health checks fail enough to eject it."""
+        waiting = [t for t in (self.unanswered_since, self.last_chunk_at if self.streams else None) if t is not None]
+        return bool(waiting) and now - min(waiting) > after_s
+
+    @contextmanager
+    def streaming(self, now: float) -> Iterator[None]:
+        """One of its D legs relays a stream while the block runs; it just sent a chunk (at ``now``)."""
+        self.streams += 1
+        self.last_chunk_at = max(self.last_chunk_at, now)
+        try:
+            yield
+        finally:
+            self.streams -= 1
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "url": self.url, "healthy": self.healthy,

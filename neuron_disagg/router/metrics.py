@@ -47,7 +47,9 @@ class RouterMetrics:
         self.prediction_error = Histogram(p + "prefill_prediction_error_seconds", "P's predicted answer time minus "
                                           "its real one (negative: P answered later than predicted)",
                                           buckets=_ERROR_BUCKETS_S, registry=r)
-        self.decode_imbalance = Histogram(p + "decode_imbalance", "Push: the most running sequences on a healthy D "
+        self.decode_legs = Counter(p + "decode_legs", "D legs sent, by D, counted as each is bound", ["url"],
+                                   registry=r)
+        self.decode_imbalance = Histogram(p + "decode_imbalance", "The most running sequences on a healthy D "
                                           "over the mean, as a D leg goes out (1: even)", ["mode"],
                                           buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
         self._children: dict[Instance, tuple[Any, Any, Any]] = {}
@@ -72,8 +74,7 @@ class RouterMetrics:
                 gauge.remove(inst.role, inst.url)
             except KeyError:
                 pass
-        if inst.role == "prefill":
-            try:
-                self.prompt_tokens.remove(inst.url)
-            except KeyError:
-                pass
+        try:
+            (self.prompt_tokens if inst.role == "prefill" else self.decode_legs).remove(inst.url)
+        except KeyError:
+            pass

@@ -53,7 +53,8 @@ class InstancePool:
         return [i for i in self._by_url.values() if i.role == role and i.healthy]
 
     def pick(self, role: Role, now: float, *, exclude: frozenset[Instance] = frozenset(),
-             metrics_stale_s: float = 30.0, kv_cache_full_fraction: float = 0.95) -> Instance:
+             metrics_stale_s: float = 30.0, kv_cache_full_fraction: float = 0.95,
+             silent_s: float = 1.0) -> Instance:
         """The least loaded healthy instance of ``role`` not in ``exclude``; NoInstance if none."""
         candidates = [i for i in self.healthy(role) if i not in exclude]
         if not candidates:
@@ -64,7 +65,7 @@ class InstancePool:
         if role == "prefill":
             chosen = pick_prefill(candidates)
         else:
-            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction)
+            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction, silent_s)
         chosen.last_picked = next(self._picks)
         return chosen
 

@@ -30,16 +30,16 @@ def decode_running(inst: Instance, now: float, metrics_stale_s: float) -> float:
 
 
 def pick_decode(candidates: list[Instance], now: float, metrics_stale_s: float,
-                kv_cache_full_fraction: float) -> Instance:
-    """D's cost is decode batch size and KV memory: a D whose KV cache is nearly full is picked
-    last (its new requests would wait for blocks), then the fewest running sequences, then the
-    lowest KV usage, then the one picked longest ago."""
+                kv_cache_full_fraction: float, silent_s: float = 1.0) -> Instance:
+    """D's cost is decode batch size and KV memory. Picked last: a D gone silent (``Instance.silent``:
+    stopped or hung, not yet ejected), then one whose KV cache is nearly full (its new requests would
+    wait for blocks); then the fewest running sequences, the lowest KV usage, the one picked longest ago."""
 
-    def key(inst: Instance) -> tuple[bool, float, float, int]:
+    def key(inst: Instance) -> tuple[bool, bool, float, float, int]:
         engine = inst.engine
         fresh = engine is not None and now - engine.at <= metrics_stale_s
         usage = engine.kv_cache_usage if fresh and engine.kv_cache_usage is not None else 0.0
-        return (usage >= kv_cache_full_fraction, decode_running(inst, now, metrics_stale_s), usage,
-                inst.last_picked)
+        return (inst.silent(now, silent_s), usage >= kv_cache_full_fraction,
+                decode_running(inst, now, metrics_stale_s), usage, inst.last_picked)
 
     return min(candidates, key=key)

@@ -35,7 +35,7 @@ class RouterSettings(BaseModel):
         description="D leg sent -> first body byte (streaming) or whole answer (non-streaming)")
     decode_idle_timeout_s: float = Field(300.0, gt=0, le=86400,
                                          description="longest gap between two chunks of D's stream")
-    health_interval_s: float = Field(5.0, gt=0, le=3600, description="GET /health on every instance")
+    health_interval_s: float = Field(1.0, gt=0, le=3600, description="GET /health on every instance")
     health_timeout_s: float = Field(5.0, gt=0, le=600, description="one health check")
     # A vLLM busy with prefill can answer /health late; only a refused connection (a dead process)
     # ejects at once. Ejecting the only P or D on one slow answer fails every request meanwhile.
@@ -43,6 +43,8 @@ class RouterSettings(BaseModel):
                                           description="consecutive slow or failed checks before ejection")
     metrics_stale_s: float = Field(30.0, gt=0, le=3600,
                                    description="ignore a D's scraped /metrics older than this")
+    decode_silent_s: float = Field(1.0, gt=0, le=600, description="a D that has not answered a health check, "
+                                   "or whose streams have sent nothing, for this long is picked last")
     kv_cache_full_fraction: float = Field(0.95, gt=0, le=1.0,
                                           description="a D above this KV usage is picked last")
     prefill_retries: int = Field(1, ge=0, le=5, description="P legs retried on another P")

@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -177,6 +178,8 @@ class DecodeLeg:
             raise _status_error("decode", self.inst, self._url, resp.status, await resp.read(),
                                 self.content_type)
         self.first = await (resp.content.readany() if stream else resp.read())
+        if stream:  # from here D is expected to keep sending (``Instance.silent``), until ``close``
+            self._lease.enter_context(self.inst.streaming(time.monotonic()))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         assert self._resp is not None, "open() first"
@@ -189,6 +192,7 @@ class DecodeLeg:
                 raise err from exc
             if not chunk:
                 return
+            self.inst.last_chunk_at = time.monotonic()
             yield chunk
 
     def close(self) -> None:

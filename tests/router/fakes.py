@@ -81,6 +81,8 @@ class FakeVllm:
         self._used_connections: set = set()      # their aiohttp protocols (held: a test is short)
         self.dropped = 0                         # requests dropped so (reset_next aside)
         self.health_ok = True
+        self.awake = asyncio.Event()             # cleared: stopped (SIGSTOP): answers nothing, streams nothing
+        self.awake.set()
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0  # what /metrics says
         self.connector_role: str | None = role  # neuron_disagg_role on /metrics (None: not exported)
         self.port = 0
@@ -127,6 +129,7 @@ class FakeVllm:
 
     @web.middleware
     async def _connection_seen(self, request: web.Request, handler):
+        await self.awake.wait()
         kept_alive = request.protocol in self._used_connections
         self._used_connections.add(request.protocol)
         if kept_alive and self.drop_kept_alive:
@@ -192,6 +195,7 @@ class FakeVllm:
                 await self.chunk_gate.get()
             if i and self.chunk_interval_s:
                 await asyncio.sleep(self.chunk_interval_s)  # decode time, not a wait for a state
+            await self.awake.wait()
             if self.stream_then_die_after is not None and i == self.stream_then_die_after:
                 assert request.transport is not None
                 request.transport.close()

@@ -114,6 +114,23 @@ async def test_a_decode_instance_that_failed_during_the_prefill_is_not_chosen():
         assert not d0.requests and len(d1.requests) == 1
 
 
+async def test_a_decode_instance_stopped_during_the_prefill_is_not_chosen():
+    """Stopped, not dead (SIGSTOP, a hung host): nothing refuses a connection, its health checks only
+    time out, and it would be ejected seconds later. Its unanswered check makes it silent at once."""
+    async with cluster(prefill=1, decode=2, mode="push", bind_horizon_ms=0, health_interval_s=0.1,
+                       decode_silent_s=0.3) as c:
+        p, (d0, d1) = c.prefills[0], c.decodes
+        task = await _held_at_p(c)  # at arrival D0 was the choice (ties in list order)
+        d0.awake.clear()
+        await asyncio.sleep(0.6)  # a check sent since went unanswered for longer than decode_silent_s
+        assert c.instance(d0).healthy  # not ejected: its checks have not even timed out
+        p.hold.set()
+        await until(lambda: d1.requests, "D's leg on D1, the D still answering")
+        assert (await task)[0] == 200
+        assert _metric(c, "neuron_disagg_router_decode_legs_total", url=d0.url) == 0
+        d0.awake.set()
+
+
 async def test_the_decode_balance_is_recorded_as_each_decode_leg_goes_out():
     async with cluster(prefill=1, decode=2, mode="push") as c:
         c.decodes[0].hold = asyncio.Event()  # D0 keeps its first request running

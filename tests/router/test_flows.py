@@ -198,8 +198,11 @@ async def test_router_marks_arrival_p_answer_and_first_byte_on_the_timeline(tmp_
         assert status == 200, answer
         tid = c.prefills[0].requests[0].transfer_id
     events = timeline.load(tmp_path)[tid]
-    bound = {"router_d_bound"} if mode in ("push", "vllm-push") else set()  # push: when D was chosen
-    assert set(events) == {"router_arrived", "router_p_answered", "router_first_byte"} | bound
+    assert set(events) == {"router_arrived", "router_d_bound", "router_p_answered", "router_first_byte"}
+    if mode == "vllm-pull":  # pull chooses D once P answered; push (bound at arrival) before
+        assert events["router_d_bound"] >= events["router_p_answered"]
+    else:
+        assert events["router_d_bound"] <= events["router_p_answered"]
     assert 0 < events["router_first_byte"] - events["router_arrived"] < 20
     split = timeline.p_and_after(events)
     assert 0 < split["until_p_answered"] < 20

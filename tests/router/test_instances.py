@@ -71,6 +71,23 @@ async def test_decode_with_open_streams_is_avoided():
         resp.close()
 
 
+async def test_a_decode_whose_streams_went_quiet_is_picked_last_even_when_it_runs_fewer():
+    async with cluster(prefill=1, decode=2, decode_silent_s=0.2) as c:
+        talking, quiet = c.decodes
+        talking.chunks, talking.chunk_interval_s = 400, 0.01  # long streams, a chunk every 10 ms
+        quiet.chunk_gate = asyncio.Queue()  # its stream sends its first chunk, then nothing
+        streams = [await c.client.post(c.url + "/v1/completions", json=completion(stream=True)) for _ in range(3)]
+        for resp in streams:
+            await resp.content.readline()
+        assert (len(talking.requests), len(quiet.requests)) == (2, 1)  # by load, then in turns
+        await asyncio.sleep(0.4)
+        # by load alone the quiet D (one running, against two) would be the choice
+        assert (await c.post("/v1/completions", completion()))[0] == 200
+        assert (len(talking.requests), len(quiet.requests)) == (3, 1)
+        for resp in streams:
+            resp.close()
+
+
 async def test_one_failed_health_check_does_not_eject_a_busy_instance():
     async with cluster(prefill=1, decode=1, health_interval_s=0.2, health_timeout_s=0.5) as c:
         d0 = c.decodes[0]
