@@ -20,6 +20,7 @@ import argparse
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,18 +32,20 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from .arglists import positive_list
 from . import report
-from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, mean_step_us, pool_churn_prompts,
-                   prefill_ms, read_connector, run, scratch_dir, step_quantile_us, thread_cpu_percent)
-from .preset import PRESETS, evaluate, rates_for
+from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, heavy_tailed_dataset, mean_imbalance,
+                   mean_step_us, pool_churn_prompts, prefill_ms, read_connector, read_router, run, scratch_dir,
+                   step_quantile_us, thread_cpu_percent)
+from .preset import PRESETS, STOPPED, evaluate, rates_for
 from .rounds import measure_in_rounds
-from .topology import DEFAULT_MODES, MODES, OURS, ServerSettings, groups, started
+from .topology import DEFAULT_MODES, MODES, Running, ServerSettings, groups, is_mode, is_ours, router_mode, started
 
 
 def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if not is_mode(m)]
     if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown or text!r}; choose from {', '.join(MODES)} "
+                                         "or push-bind-MS")
     return modes
 
 
@@ -52,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a named workload and the goals the run is judged by: " + "; ".join(
                        f"{name}: {preset.about}" for name, preset in sorted(PRESETS.items())))
     p.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES),
-                   help=f"comma-separated, of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)}; the ray "
+                   help=f"comma-separated, of {', '.join(MODES)} and push-bind-MS (push binding D MS before P's "
+                        f"predicted answer) (default {','.join(DEFAULT_MODES)}; the ray "
                         "modes serve through Ray Serve LLM, from an environment with Ray installed)")
     p.add_argument("--rates", type=positive_list(float, "--rates"), default=[1.0, 2.0],
                    help="request rates, req/s (default 1,2)")
@@ -66,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt lengths in tokens (default 512)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--prompts", type=int, default=16, help="requests per point (default 16)")
+    p.add_argument("--decodes", type=int, default=1, help="D's per disaggregated topology, all on core 1 (default 1)")
+    p.add_argument("--heavy-tail", action="store_true",
+                   help="output lengths Pareto-distributed up to --output-len (most short, a few long) instead of "
+                        "all --output-len")
+    p.add_argument("--stop-decode-s", type=float, default=0,
+                   help="with --decodes 2 or more: measure each routed mode again ('MODE +stop') with its second D "
+                        "stopped (SIGSTOP) this long, from 30%% into the run")
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; <1 burstier")
     p.add_argument("--model", help="model path or name (default: the tiny local Qwen3, built once)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance")
@@ -102,7 +113,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
-                       vllm_args=preset.vllm_args, **({"modes": list(preset.modes)} if preset.modes else {}),
+                       vllm_args=preset.vllm_args, decodes=preset.decodes, heavy_tail=preset.heavy_tail,
+                       stop_decode_s=preset.stop_decode_s, **({"modes": list(preset.modes)} if preset.modes else {}),
                        **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
     given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
@@ -123,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     # is stopped: each runs in a session of its own, which killing the bench alone would orphan.
     signal.signal(signal.SIGTERM, _terminated)
     preset = PRESETS.get(args.preset)
-    if min(args.prompts, args.output_len, args.tp, args.rounds) < 1:
-        parser().error("--prompts, --output-len, --tp and --rounds must be at least 1")
+    if min(args.prompts, args.output_len, args.tp, args.rounds, args.decodes) < 1:
+        parser().error("--prompts, --output-len, --tp, --rounds and --decodes must be at least 1")
+    if args.stop_decode_s < 0 or (args.stop_decode_s and args.decodes < 2):
+        parser().error("--stop-decode-s needs --decodes 2 or more (the router must have another D to choose)")
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
     spec = tiny_model.KV_HEAVY if preset and preset.kv_heavy else tiny_model.SPEC
     model = args.model or str(tiny_model.build(spec=spec))
@@ -136,24 +150,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_model_len < max(args.input_lens) + args.output_len:
         parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
     dtype = args.dtype or ("auto" if args.model else CPU_DTYPE)
-    server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype)
+    server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype,
+                            args.decodes)
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
+    datasets = {n: heavy_tailed_dataset(model, n, args.output_len, args.prompts, raw_dir / f"heavy-tail-in{n}.jsonl")
+                for n in args.input_lens} if args.heavy_tail else {}
+
+    def load(rate: float, n: int) -> Load:
+        return Load(rate, n, args.output_len, args.prompts, args.burstiness, dataset=datasets.get(n))
+
     # With --p-busy the rates come from P's prefill time, measured on the first topology up.
-    loads = [] if args.p_busy else [Load(rate, n, args.output_len, args.prompts, args.burstiness)
-                                    for n in args.input_lens for rate in args.rates]
+    loads = [] if args.p_busy else [load(rate, n) for n in args.input_lens for rate in args.rates]
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
             "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
             "rates": args.rates if not args.p_busy else None, "p_busy": args.p_busy, "preset": args.preset,
             "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds, "churn": args.churn,
-            "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size,
+            "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "decodes": args.decodes,
+            "heavy_tail": args.heavy_tail, "stop_decode_s": args.stop_decode_s,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     churn_prompts = (pool_churn_prompts(model, args.kv_cache_bytes, 4 if dtype == "float32" else 2,
                                         max(args.input_lens)) if args.churn else 0)
     results: list[RunResult] = []
     recheck = (args.rounds == 1 and not args.no_drift_check and "monolithic" in args.modes
                and len(groups(args.modes)) > 1)  # rounds put the drift on every mode instead
-    points = (len(args.modes) * args.rounds + recheck) * len(args.input_lens) * len(args.p_busy or args.rates)
+    scenarios = 2 if args.stop_decode_s else 1
+    points = (len(args.modes) * args.rounds * scenarios + recheck) * len(args.input_lens) * len(args.p_busy or args.rates)
     warmup = not args.no_warmup
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -164,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 url = topo.prefill.url if topo.prefill else topo.urls["monolithic"]
                 progress.update(task, description=f"measuring P's prefill time on {' + '.join(group)}")
                 meta["p_prefill_ms"] = {n: prefill_ms(url, model, n, raw_dir) for n in args.input_lens}
-                loads.extend(Load(rate, n, args.output_len, args.prompts, args.burstiness)
-                             for n in args.input_lens for rate in rates_for(args.p_busy, meta["p_prefill_ms"][n]))
+                loads.extend(load(rate, n) for n in args.input_lens
+                             for rate in rates_for(args.p_busy, meta["p_prefill_ms"][n]))
                 meta["rates"] = sorted({load.rate for load in loads})
                 console.print("P's prefill alone: " + ", ".join(
                     f"{ms:.0f} ms at {n} tokens" for n, ms in meta["p_prefill_ms"].items())
@@ -186,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = raw_dir / f"round-{round_index + 1}" if args.rounds > 1 else raw_dir
             first = round_index == 0
             return _measure(group, topo, loads, model, raw, warmup and first, progress, task,
-                            churn_prompts if first else 0)
+                            churn_prompts if first else 0, args.stop_decode_s)
 
         if args.rounds > 1:
             progress.update(task, description="starting every topology")
@@ -234,7 +256,8 @@ def _measure_again(server, loads, model, raw_dir, warmup, progress, task) -> lis
                 for load in loads]
 
 
-def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int = 0) -> list[RunResult]:
+def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int = 0,
+             stop_decode_s: float = 0) -> list[RunResult]:
     out = []
     for mode in group:
         url = topo.urls[mode]
@@ -244,27 +267,75 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_p
         if warmup:
             progress.update(task, description=f"{mode}: warm-up")
             run(mode, url, model, loads[-1], raw_dir / "warmup")
+        stopping = (False, True) if stop_decode_s and len(topo.decodes) > 1 else (False,)
         for load in loads:
-            progress.update(task, description=f"{mode}: {load.rate} req/s, input {load.input_len}")
-            ours = mode in OURS  # only our connector exports these
-            before = (read_connector(topo.prefill.url), read_connector(topo.decode.url)) if ours else None
-            result = run(mode, url, model, load, raw_dir, topo.timeline_dir)
-            if before:
-                result.thread_cpu_percent = {}
-                after = (read_connector(topo.prefill.url), read_connector(topo.decode.url))
-                result.descriptors_per_transfer = descriptors_per_transfer((before[0], after[0]), (before[1], after[1]))
-                for side, earlier, later in (("prefill", before[0], after[0]), ("decode", before[1], after[1])):
-                    setattr(result, f"{side}_step_us", mean_step_us(earlier.steps[WALL], later.steps[WALL]))
-                    for series, clock in (("step", WALL), ("step_cpu", CPU)):
-                        for q in (50, 99):
-                            setattr(result, f"{side}_{series}_p{q}_us",
-                                    step_quantile_us(earlier.steps[clock], later.steps[clock], q / 100))
-                    result.thread_cpu_percent.update(
-                        {f"{side[0].upper()} {thread}": pct
-                         for thread, pct in thread_cpu_percent(side, earlier, later).items()})
-            out.append(result)
-            progress.advance(task)
+            for stop in stopping:
+                progress.update(task, description=f"{mode}{STOPPED if stop else ''}: {load.rate} req/s, "
+                                                  f"input {load.input_len}")
+                out.append(_measure_one(mode, topo, url, model, load, raw_dir, stop_decode_s if stop else 0))
+                progress.advance(task)
     return out
+
+
+def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw_dir: Path,
+                 stop_decode_s: float) -> RunResult:
+    """One run of ``mode`` at ``load``, with what the connector and the router say around it; with
+    ``stop_decode_s``, the second D is stopped that long from 30% into the run, and the result is
+    labelled ``MODE +stop``."""
+    ours = is_ours(mode)  # only our connector exports these
+    routed = mode != "monolithic" and not mode.startswith("ray-")
+    p_url, d_url = (topo.prefill.url, topo.decodes[0].url) if ours else ("", "")
+    before = (read_connector(p_url), read_connector(d_url)) if ours else None
+    routed_before = read_router(url, router_mode(mode)) if routed else None
+    stopper = _DecodeStopper(topo.decodes[1], url, router_mode(mode), 0.3 * load.prompts / load.rate,
+                             stop_decode_s) if stop_decode_s else None
+    try:
+        result = run(mode, url, model, load, raw_dir / ("stop" if stopper else ""), topo.timeline_dir)
+    finally:
+        if stopper:
+            stopper.join()
+    if stopper:
+        result.mode = f"{mode}{STOPPED}"
+        result.stopped_d_binds = stopper.binds
+    if routed_before:
+        result.decode_imbalance = mean_imbalance(routed_before, read_router(url, router_mode(mode)))
+    if before:
+        result.thread_cpu_percent = {}
+        after = (read_connector(p_url), read_connector(d_url))
+        result.descriptors_per_transfer = descriptors_per_transfer((before[0], after[0]), (before[1], after[1]))
+        for side, earlier, later in (("prefill", before[0], after[0]), ("decode", before[1], after[1])):
+            setattr(result, f"{side}_step_us", mean_step_us(earlier.steps[WALL], later.steps[WALL]))
+            for series, clock in (("step", WALL), ("step_cpu", CPU)):
+                for q in (50, 99):
+                    setattr(result, f"{side}_{series}_p{q}_us",
+                            step_quantile_us(earlier.steps[clock], later.steps[clock], q / 100))
+            result.thread_cpu_percent.update(
+                {f"{side[0].upper()} {thread}": pct
+                 for thread, pct in thread_cpu_percent(side, earlier, later).items()})
+    return result
+
+
+class _DecodeStopper(threading.Thread):
+    """After ``at_s``, stops ``decode`` (SIGSTOP of its whole process group) for ``for_s``, and counts
+    the D legs the router at ``router_url`` sent it meanwhile (``binds``): requests bound to a D
+    after it stopped."""
+
+    def __init__(self, decode, router_url: str, mode: str, at_s: float, for_s: float):
+        super().__init__(name="bench-decode-stopper", daemon=True)
+        self.decode, self.router_url, self.mode, self.at_s, self.for_s = decode, router_url, mode, at_s, for_s
+        self.binds: int | None = None
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.at_s)
+        before = read_router(self.router_url, self.mode).decode_legs.get(self.decode.url, 0.0)
+        self.decode.pause()
+        try:
+            time.sleep(self.for_s)
+            after = read_router(self.router_url, self.mode).decode_legs.get(self.decode.url, 0.0)
+            self.binds = int(after - before)
+        finally:
+            self.decode.resume()
 
 
 def _print(console: Console, results: list[RunResult]) -> None:

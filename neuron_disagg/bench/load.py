@@ -30,6 +30,7 @@ class Load:
     seed: int = 0
     max_concurrency: int | None = None  # at most this many requests in flight (None: no limit)
     range_ratio: float = 0.0  # > 0: input and output lengths vary by this fraction either side
+    dataset: str | None = None  # a JSONL of prompts and output lengths (``heavy_tailed_dataset``) instead of random
 
 
 @dataclass
@@ -44,6 +45,7 @@ class RunResult:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
     e2el_p50_ms: float | None = None
     breakdown_ms: dict[str, float] | None = None  # median of each TTFT segment (our modes)
     p_and_after_ms: dict[str, float] | None = None  # median of the router's split at P's answer (every routed mode)
@@ -61,6 +63,10 @@ class RunResult:
     rounds_ttft_p50_ms: list[float | None] | None = None  # --rounds: each round's TTFT p50 (the rest: medians)
     descriptors_per_transfer: float | None = None  # our connector: NIXL descriptors posted per KV transfer
     p_busy: float | None = None  # the share of P's time the offered load asks: rate x P's measured prefill time
+    decode_imbalance: float | None = None  # the router's mean of max/mean running sequences on the D's as D legs went out
+    prediction_error_p50_ms: float | None = None  # P's predicted answer minus its real one (binding horizon)
+    prediction_error_p99_ms: float | None = None
+    stopped_d_binds: int | None = None  # D legs the router sent to a D while it was stopped (SIGSTOP)
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -80,8 +86,11 @@ class StepTime:
 def bench_serve_command(url: str, tokenizer: str, load: Load, out_dir: Path, name: str) -> list[str]:
     """`vllm bench serve` for ``load``, saving its JSON (with per-request details) as ``name``.json."""
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
-               "--base-url", url, "--model", "tiny", "--tokenizer", tokenizer, "--dataset-name", "random",
-               "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+               "--base-url", url, "--model", "tiny", "--tokenizer", tokenizer,
+               *(["--dataset-name", "custom", "--dataset-path", load.dataset, "--custom-output-len", "-1",
+                  "--skip-chat-template", "--disable-shuffle"] if load.dataset else
+                 ["--dataset-name", "random", "--random-input-len", str(load.input_len),
+                  "--random-output-len", str(load.output_len)]),
                "--request-rate", str(load.rate), "--burstiness", str(load.burstiness),
                "--num-prompts", str(load.prompts), "--temperature", "0", "--ignore-eos",
                "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
@@ -116,11 +125,84 @@ def run(mode: str, url: str, tokenizer: str, load: Load, out_dir: Path,
     result.completed, result.failed = int(raw.get("completed", 0)), int(raw.get("failed", 0))
     result.ttft_p50_ms, result.ttft_p99_ms = raw.get("median_ttft_ms"), raw.get("p99_ttft_ms")
     result.tpot_p50_ms, result.e2el_p50_ms = raw.get("median_tpot_ms"), raw.get("median_e2el_ms")
+    result.tpot_p99_ms = raw.get("p99_tpot_ms")
     if timeline_dir:
         ended = time.time()
         result.breakdown_ms = breakdown_between(timeline_dir, started, ended)
         result.p_and_after_ms = breakdown_between(timeline_dir, started, ended, timeline.p_and_after)
+        errors = sorted(e for events in timeline.load(timeline_dir).values()
+                        if started <= events.get("router_arrived", -1) <= ended
+                        and (e := timeline.prediction_error(events)) is not None)
+        if errors:
+            result.prediction_error_p50_ms = round(_quantile(errors, 0.5) * 1e3, 1)
+            result.prediction_error_p99_ms = round(_quantile(errors, 0.99) * 1e3, 1)
     return result
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered``, the nearest rank."""
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def heavy_tailed_dataset(tokenizer_dir: str, input_len: int, max_output: int, prompts: int, path: Path,
+                         seed: int = 0, alpha: float = 1.2, least: int = 8) -> str:
+    """A JSONL for ``vllm bench serve --dataset-name custom``: ``prompts`` random prompts of about
+    ``input_len`` tokens, each with an output length from a Pareto distribution (shape ``alpha``,
+    at least ``least``, at most ``max_output``): most answers short, a few long, so the D's that
+    happen to hold the long ones fill up while the others empty. Returns the path."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    lines = []
+    for _ in range(prompts):
+        vocab = tokenizer.vocab_size
+        ids = [t for t in (rng.randrange(vocab // 20, min(vocab, 30000)) for _ in range(input_len)) if t not in special]
+        prompt = tokenizer.decode(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:input_len])
+        output = min(max_output, int(least * (1.0 - rng.random()) ** (-1.0 / alpha)))
+        lines.append(json.dumps({"prompt": prompt, "output_tokens": output}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@dataclass
+class RouterReading:
+    """What the bench reads from a router's /metrics around a run: the decode balance histogram's
+    sum and count (``mode``'s), and the D legs sent to each D."""
+
+    imbalance_sum: float
+    imbalance_count: float
+    decode_legs: dict[str, float]
+
+
+def read_router(url: str, mode: str) -> RouterReading:
+    """``parse_router`` of the router's /metrics at ``url`` (zeros where it cannot be read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        text = ""
+    return parse_router(text, mode)
+
+
+def parse_router(text: str, mode: str) -> RouterReading:
+    """A router's readings from its Prometheus text, the decode balance of its ``mode`` requests."""
+    prefix = "neuron_disagg_router_"
+    legs: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix + "decode_legs_total{"):
+            legs[line.split('url="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[-1])
+    label = f'{{mode="{mode}"}}'
+    return RouterReading(counter_total(text, f"{prefix}decode_imbalance_sum{label}"),
+                         counter_total(text, f"{prefix}decode_imbalance_count{label}"), legs)
+
+
+def mean_imbalance(before: RouterReading, after: RouterReading) -> float | None:
+    count = after.imbalance_count - before.imbalance_count
+    return round((after.imbalance_sum - before.imbalance_sum) / count, 2) if count > 0 else None
 
 
 def prefill_ms(url: str, tokenizer: str, input_len: int, out_dir: Path, prompts: int = 5) -> float:

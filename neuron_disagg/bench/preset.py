@@ -7,6 +7,10 @@
   contiguous, and every mode in interleaved rounds.
 - ``seed-long``: the seed point at 8,160 tokens (the tiny model's longest), fewer prompts and rounds (a prefill takes seconds
   here), streamed push beside push writing at the end and vLLM's NixlConnector.
+- ``shift``: shifting decode load. 1P2D, output lengths heavy-tailed (most answers short, a few
+  long) so the two D's loads diverge, and a second scenario per mode (``<mode> +stop``) in which one
+  D is stopped (SIGSTOP) for a few seconds mid-run. Push bound at arrival against push bound late
+  (``push-bind-MS``) and the pull modes, which choose D when P answers.
 - ``light``: the light corner (512 tokens at 1 and 2 req/s, the default tiny model), where the goals
   are about what push costs over monolithic rather than its lead.
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from .load import RunResult
+from .topology import DEFAULT_MODES
 
 Point = dict[str, RunResult]  # mode -> its result at one (rate, input length)
 
@@ -48,6 +53,9 @@ class Preset:
     churn: bool = False
     vllm_args: str = ""  # more `vllm serve` flags, for every mode alike
     modes: tuple[str, ...] = ()  # empty: the bench's default modes
+    decodes: int = 1  # D's per disaggregated topology
+    heavy_tail: bool = False  # output lengths Pareto-distributed up to output_len, not all output_len
+    stop_decode_s: float = 0  # > 0: each mode again with its second D stopped this long mid-run
     goals: tuple[Goal, ...] = ()
 
 
@@ -110,17 +118,20 @@ SEED = Preset(
            handoff_goal("push", "vllm-pull", 0.3),
            ratio_goal("push", "ttft_p50_ms", "vllm-push", 0.9, "TTFT p50"),
            ratio_goal("push", "tpot_p50_ms", "vllm-pull", 0.8, "TPOT p50"),
-           ratio_goal("pull", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50")))
+           ratio_goal("pull", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50"),
+           ratio_goal("push-bind-0", "ttft_p50_ms", "push", 1.05, "TTFT p50")),
+    modes=(*DEFAULT_MODES, "push-bind-0"))
 
 LIGHT = Preset(
     name="light", about="the light corner: short prompts, light load, the default tiny model",
     input_lens=[512], output_len=32, prompts=16, rounds=3, max_model_len=2048, kv_cache_bytes=256 << 20,
-    rates=[1.0, 2.0],
+    rates=[1.0, 2.0], modes=(*DEFAULT_MODES, "push-bind-0"),
     goals=(ratio_goal("push", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50"),
            ratio_goal("push", "ttft_p50_ms", "vllm-push", 0.8, "TTFT p50"),
            ratio_goal("push", "ttft_p99_ms", "vllm-pull", 0.25, "TTFT p99"),
            ratio_goal("push", "ttft_p99_ms", "vllm-push", 0.25, "TTFT p99"),
            push_tax_goal(),
+           ratio_goal("push-bind-0", "ttft_p50_ms", "push", 1.05, "TTFT p50"),
            *(step_cpu_goal(mode, side, 100) for mode in ("push", "pull") for side in ("prefill", "decode"))))
 
 SEED_LONG = Preset(
@@ -131,7 +142,33 @@ SEED_LONG = Preset(
     modes=("push", "push-whole", "vllm-pull"),
     goals=(handoff_goal("push", "vllm-pull", 0.3),))
 
-PRESETS = {p.name: p for p in (SEED, SEED_LONG, LIGHT)}
+def at_most_goal(mode: str, name: str, bound: float, words: str) -> Goal:
+    """``mode``'s ``name`` at most ``bound`` (a count: 0 is a figure here, not a missing one)."""
+    def measure(point: Point):
+        result = point.get(mode)
+        value = getattr(result, name) if result is not None and result.error is None else None
+        return (value, bound) if value is not None else None
+    return Goal(f"{mode} {words} <= {bound:g}", measure)
+
+
+#: The horizons the shifting-load preset binds D at: at P's answer, and 100 ms before its prediction.
+LATE = ("push-bind-0", "push-bind-100")
+STOPPED = " +stop"  # a mode's label in the scenario with one D stopped
+
+SHIFT = Preset(
+    name="shift", about="shifting decode load: 1P2D, heavy-tailed outputs, and one D stopped mid-run",
+    input_lens=[1024], output_len=256, prompts=40, rounds=2, max_model_len=2048, kv_cache_bytes=512 << 20,
+    p_busy=[0.7], decodes=2, heavy_tail=True, stop_decode_s=3.0,
+    modes=("push", *LATE, "pull", "vllm-push", "vllm-pull"),
+    goals=(*(g for late in LATE for g in (
+        ratio_goal(late, "ttft_p99_ms", "pull", 1.0, "TTFT p99"),
+        ratio_goal(late, "tpot_p99_ms", "pull", 1.0, "TPOT p99"),
+        ratio_goal(late, "ttft_p99_ms", "push", 0.8, "TTFT p99"),
+        ratio_goal(late, "tpot_p99_ms", "push", 0.8, "TPOT p99"),
+        at_most_goal(late + STOPPED, "stopped_d_binds", 0, "D legs bound to the stopped D"),
+        ratio_goal(late + STOPPED, "ttft_p99_ms", late, 1.5, "TTFT p99"))),))
+
+PRESETS = {p.name: p for p in (SEED, SEED_LONG, LIGHT, SHIFT)}
 
 
 def rates_for(p_busy: list[float], prefill_ms: float) -> list[float]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from .. import timeline
 from .load import RunResult
-from .topology import MODES, REFERENCE
+from .topology import REFERENCE
 
 
 def ratio(value: float | None, base: float | None) -> float | None:
@@ -53,7 +53,9 @@ def _fmt(value, digits: int = 0) -> str:
 TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input", 0),
                  ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p50_spread", "rounds' p50 ms", 0),
                  ("ttft_p99_ms", "TTFT p99 ms", 0),
-                 ("tpot_p50_ms", "TPOT p50 ms", 1), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
+                 ("tpot_p50_ms", "TPOT p50 ms", 1), ("tpot_p99_ms", "TPOT p99 ms", 1),
+                 ("decode_imbalance", "D max/mean", 2), ("prediction_error", "P pred. err p50/p99 ms", 0),
+                 ("stopped_d_binds", "to stopped D", 0), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
                  ("prefill_step", "P step p50/p99 us", 0), ("prefill_step_cpu", "P CPU p50/p99 us", 0),
                  ("decode_step", "D step p50/p99 us", 0), ("decode_step_cpu", "D CPU p50/p99 us", 0),
@@ -61,14 +63,24 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
                  ("completed", "ok", 0), ("failed", "failed", 0))
 #: Columns shown only where some result has a value: the rounds' spread (--rounds), descriptors
 #: (our connector's modes) and P's share busy (--p-busy).
-OPTIONAL_COLUMNS = ("ttft_p50_spread", "descriptors_per_transfer", "p_busy")
+OPTIONAL_COLUMNS = ("ttft_p50_spread", "descriptors_per_transfer", "p_busy", "tpot_p99_ms", "decode_imbalance",
+                    "prediction_error", "stopped_d_binds")
 
 
 def _cell(row: dict, key: str, digits: int) -> str:
     if key in row:
         return _fmt(row[key], digits)
-    low, high = row[f"{key}_p50_us"], row[f"{key}_p99_us"]  # a step-time pair: p50/p99
+    low, high = _pair(row, key)  # a p50/p99 pair
     return "-" if low is None and high is None else f"{_fmt(low, digits)}/{_fmt(high, digits)}"
+
+
+def _pair(row: dict, key: str) -> tuple:
+    unit = "ms" if key == "prediction_error" else "us"
+    return row[f"{key}_p50_{unit}"], row[f"{key}_p99_{unit}"]
+
+
+def _shown(row: dict, key: str) -> bool:
+    return row[key] is not None if key in row else any(v is not None for v in _pair(row, key))
 
 
 def table(results: list[RunResult]) -> list[list[str]]:
@@ -76,7 +88,7 @@ def table(results: list[RunResult]) -> list[list[str]]:
     are p50/p99 pairs, wall clock ("step") and the engine thread's CPU time ("CPU")."""
     table_rows = rows(results)
     columns = [c for c in TABLE_COLUMNS
-               if c[0] not in OPTIONAL_COLUMNS or any(row[c[0]] is not None for row in table_rows)]
+               if c[0] not in OPTIONAL_COLUMNS or any(_shown(row, c[0]) for row in table_rows)]
     header = [title for _, title, _ in columns]
     body = [[_cell(row, key, digits) for key, _, digits in columns] for row in table_rows]
     return [header, *body]
@@ -247,8 +259,8 @@ def plots(results: list[RunResult], out_dir: Path) -> list[Path]:
 
 
 def _modes(results: Iterable[RunResult]) -> list[str]:
-    seen = {r.mode for r in results}
-    return [m for m in MODES if m in seen]
+    """The modes measured, in the run's order (labels such as ``push-bind-0 +stop`` included)."""
+    return list(dict.fromkeys(r.mode for r in results))
 
 
 def write(results: list[RunResult], meta: dict, out_dir: Path) -> list[Path]:

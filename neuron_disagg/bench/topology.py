@@ -7,10 +7,15 @@
 - vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
+- push-bind-MS: push behind a router that binds D late (``--bind-horizon-ms MS``: D chosen MS before
+  P's predicted answer; 0: at P's answer), on the same P and D's as push and pull.
 - ray-push / ray-pull: our connector under Ray Serve LLM instead of our router (`neuron-disagg
   ray-serve`: a local Ray cluster, P replicas on core 0 and D's on core 1, Ray's OpenAI app in
   front), where Ray is installed (Ray 2.60 pins vLLM 0.29: run the bench from that environment so
   every mode serves on one vLLM).
+
+``ServerSettings.decodes`` > 1 starts that many D's per topology (all on core 1), behind each
+router: the shifting-load preset's 1P2D.
 
 One topology runs at a time (2 cores): the others are not started yet, or paused (``bench.rounds``).
 ``ServerSettings`` carries the vLLM flags shared by all of them, so every mode serves with identical
@@ -19,6 +24,7 @@ settings.
 
 from __future__ import annotations
 
+import re
 import secrets
 import tempfile
 from contextlib import contextmanager
@@ -32,7 +38,27 @@ from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
 DEFAULT_MODES = MODES[:6]  # the ray modes need Ray installed: asked for by name
+#: push-bind-MS: push with the binding horizon MS (``router/binding.py``); not in MODES, any MS goes.
+BOUND_LATE = re.compile(r"push-bind-(\d+)")
 OURS = ("push", "push-whole", "pull")  # our connector's modes, which export its metrics
+
+
+def is_mode(mode: str) -> bool:
+    return mode in MODES or BOUND_LATE.fullmatch(mode) is not None
+
+
+def is_ours(mode: str) -> bool:
+    return mode in OURS or BOUND_LATE.fullmatch(mode) is not None
+
+
+def router_mode(mode: str) -> str:
+    """The router's --mode for a bench mode (push-whole and push-bind-MS are push routers)."""
+    return "push" if BOUND_LATE.fullmatch(mode) or mode == "push-whole" else mode
+
+
+def router_args(mode: str) -> tuple[str, ...]:
+    late = BOUND_LATE.fullmatch(mode)
+    return ("--bind-horizon-ms", late.group(1)) if late else ()
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
 
 
@@ -44,6 +70,7 @@ class ServerSettings:
     block_size: int = 32
     extra: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--tensor-parallel-size", "8")
     dtype: str = "auto"
+    decodes: int = 1  # D's per disaggregated topology
 
     def kwargs(self) -> dict:
         return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
@@ -57,7 +84,7 @@ class Running:
     urls: dict[str, str]
     instances: list[ServerProcess]
     prefill: ServerProcess | None = None
-    decode: ServerProcess | None = None
+    decodes: list[ServerProcess] = field(default_factory=list)
     timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
@@ -68,7 +95,7 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if "monolithic" in modes:
         out.append(("monolithic",))
-    ours = tuple(m for m in ("push", "pull") if m in modes)
+    ours = tuple(m for m in modes if m in ("push", "pull") or BOUND_LATE.fullmatch(m))
     if ours:
         out.append(ours)
     if "push-whole" in modes:
@@ -120,20 +147,30 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                         block_size=server.block_size, dtype=server.dtype,
                         prefix_caching="--no-enable-prefix-caching" not in server.extra)
         return Running({m: ray.app_url(m.removeprefix("ray-")) for m in group}, [ray])
-    p_side, d_side = free_port(), free_port()
+    p_side = free_port()
     marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
     if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing
         mode = group[0]
         keeps_pinning = keep_affinity.server_env()  # else vLLM's NIXL workers both move to core 1
         p = reference(mode, "prefill", server.model, free_port(), p_side, "0", keeps_pinning, **kw)
-        d = reference(mode, "decode", server.model, free_port(), d_side, "1", keeps_pinning, **kw)
-        r = router([(p.url, p_side)], [d.url], free_port(), mode, [reference_engine_id("prefill", p.port)],
+        ds = _named([reference(mode, "decode", server.model, free_port(), free_port(), "1", keeps_pinning, **kw)
+                     for _ in range(server.decodes)])
+        r = router([(p.url, p_side)], [d.url for d in ds], free_port(), mode, [reference_engine_id("prefill", p.port)],
                    timeline_dir=marks)
-        return Running({mode: r.url}, [p, d, r], p, d, marks)
+        return Running({mode: r.url}, [p, *ds, r], p, ds, marks)
     secret = secrets.token_hex(32)
     overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {})}
     p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
-    d = disaggregated("decode", server.model, free_port(), d_side, "1", secret, overrides, **kw)
-    routers = {m: router([(p.url, p_side)], [d.url], free_port(), m.removesuffix("-whole"), timeline_dir=marks,
-                         secret=secret) for m in group}
-    return Running({m: r.url for m, r in routers.items()}, [p, d, *routers.values()], p, d, marks)
+    ds = _named([disaggregated("decode", server.model, free_port(), free_port(), "1", secret, overrides, **kw)
+                 for _ in range(server.decodes)])
+    routers = {m: router([(p.url, p_side)], [d.url for d in ds], free_port(), router_mode(m), timeline_dir=marks,
+                         secret=secret, extra_args=router_args(m)) for m in group}
+    return Running({m: r.url for m, r in routers.items()}, [p, *ds, *routers.values()], p, ds, marks)
+
+
+def _named(decodes: list[ServerProcess]) -> list[ServerProcess]:
+    """Several D's: each named by its place (its log file and the bench's notes tell them apart)."""
+    if len(decodes) > 1:
+        for i, d in enumerate(decodes):
+            d.name = f"{d.name}{i}"
+    return decodes

@@ -10,8 +10,10 @@ import pytest
 
 from neuron_disagg.bench import cli, report
 from neuron_disagg.bench.load import (ConnectorReading, Load, RunResult, bench_serve_command,
-                                      descriptors_per_transfer, pool_churn_prompts)
-from neuron_disagg.bench.preset import LIGHT, PRESETS, SEED, evaluate, rates_for
+                                      descriptors_per_transfer, heavy_tailed_dataset, mean_imbalance, parse_router,
+                                      pool_churn_prompts)
+from neuron_disagg.bench.preset import LIGHT, PRESETS, SEED, SHIFT, evaluate, rates_for
+from neuron_disagg.bench.topology import groups, router_args, router_mode
 from neuron_disagg.demo import tiny_model
 
 
@@ -114,7 +116,7 @@ def test_a_run_under_a_preset_reports_its_goals_descriptors_and_p_busy():
     assert "## Goals of `--preset seed`" in md and "| push TTFT p50 <= 0.5x vllm-pull | 1.0 | 512 | 0.38 | 0.50 | yes |" in md
     assert "P's prefill time alone (one request at a time, before any load): 1000 ms at 512 tokens" in md
     assert "NOT MET" in report.goals_text(goals, "seed") or "no data" in report.goals_text(goals, "seed")
-    assert set(PRESETS) == {"seed", "seed-long", "light"}
+    assert set(PRESETS) == {"seed", "seed-long", "light", "shift"}
 
 
 def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
@@ -135,3 +137,71 @@ def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
     assert breakdown_between(str(tmp_path), 99.0, 150.0) is None  # no instance marks: no full breakdown
     md = report.markdown([result("vllm-pull", 1200.0, p_and_after_ms=split)], {})
     assert "| vllm-pull | 1.0 | 512 | 1100.0 | 100.0 | 1200 |" in md
+
+
+# -- the shifting-load preset ------------------------------------------------------------------------
+def test_late_binding_modes_are_push_routers_with_a_horizon_on_the_same_p_and_ds():
+    args = cli.parse(["--modes", "push,push-bind-0,push-bind-250,pull,vllm-pull"])
+    assert groups(args.modes) == [("push", "push-bind-0", "push-bind-250", "pull"), ("vllm-pull",)]
+    assert (router_mode("push-bind-250"), router_args("push-bind-250")) == ("push", ("--bind-horizon-ms", "250"))
+    assert router_args("push") == () and router_mode("push-whole") == "push"
+    for bad in ("push-bind-", "push-bind-soon", "pushbind-0"):
+        with pytest.raises(SystemExit):
+            cli.parse(["--modes", bad])
+
+
+def test_the_shift_preset_runs_1p2d_with_heavy_tailed_outputs_and_a_stopped_d():
+    args = cli.parse(["--preset", "shift"])
+    assert (args.decodes, args.heavy_tail, args.stop_decode_s) == (2, True, SHIFT.stop_decode_s)
+    assert {"push", "pull", "vllm-pull", "vllm-push"} < set(args.modes) and any(m.startswith("push-bind-") for m in args.modes)
+    with pytest.raises(SystemExit):  # nowhere else to bind: a stopped D needs another
+        cli.main(["--stop-decode-s", "3", "--decodes", "1"])
+
+
+def test_heavy_tailed_outputs_are_mostly_short_with_a_long_tail_and_prompts_as_long_as_asked(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = str(tiny_model.build())
+    path = heavy_tailed_dataset(model, 256, 512, 400, tmp_path / "d.jsonl", seed=3)
+    rows = [json.loads(line) for line in open(path)]
+    outputs = sorted(r["output_tokens"] for r in rows)
+    assert len(rows) == 400 and outputs[0] >= 8 and outputs[-1] <= 512
+    assert outputs[len(outputs) // 2] < 24 and outputs[-4] > 150  # median short, the top 1% long
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = [len(tokenizer.encode(r["prompt"], add_special_tokens=False)) for r in rows[:20]]
+    assert all(230 <= n <= 280 for n in lengths), lengths
+    command = bench_serve_command("http://h:1", model, Load(1.0, 256, 512, 400, dataset=path), tmp_path, "x")
+    assert command[command.index("--dataset-name") + 1] == "custom" and "--random-input-len" not in command
+    assert command[command.index("--custom-output-len") + 1] == "-1"  # each row's own length
+
+
+def test_the_bench_reads_the_decode_balance_and_the_legs_per_d_from_the_routers_metrics():
+    from prometheus_client import generate_latest
+
+    from neuron_disagg.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    before = parse_router(generate_latest(metrics.registry).decode(), "push")
+    for value in (1.0, 2.0, 3.0):
+        metrics.decode_imbalance.labels("push").observe(value)
+    metrics.decode_imbalance.labels("pull").observe(9.0)  # another mode's
+    metrics.decode_legs.labels("http://127.0.0.1:8101").inc(3)
+    after = parse_router(generate_latest(metrics.registry).decode(), "push")
+    assert mean_imbalance(before, after) == 2.0
+    assert after.decode_legs == {"http://127.0.0.1:8101": 3.0}
+    assert mean_imbalance(after, after) is None
+
+
+def test_shift_goals_compare_late_binding_with_push_at_arrival_pull_and_its_own_undisturbed_run():
+    late = "push-bind-0"
+    results = [result("push", 300.0, p99=1000.0, tpot_p99_ms=50.0), result("pull", 320.0, p99=800.0, tpot_p99_ms=40.0),
+               result(late, 300.0, p99=700.0, tpot_p99_ms=30.0),
+               result(late + " +stop", 300.0, p99=1200.0, stopped_d_binds=0)]
+    goals = {g["goal"]: g for g in evaluate(SHIFT.goals, results)}
+    assert goals[f"{late} TTFT p99 <= 0.8x push"]["met"] is True  # 0.7
+    assert goals[f"{late} TPOT p99 <= 1x pull"]["met"] is True  # 0.75
+    assert goals[f"{late} +stop D legs bound to the stopped D <= 0"]["met"] is True  # 0 counts
+    assert goals[f"{late} +stop TTFT p99 <= 1.5x {late}"]["met"] is False  # 1.71
+    assert goals["push-bind-100 TTFT p99 <= 1x pull"]["met"] is None  # not run: said, not guessed
+    header, *rows = report.table(results)
+    assert rows[3][header.index("to stopped D")] == "0" and rows[0][header.index("TPOT p99 ms")] == "50.0"
