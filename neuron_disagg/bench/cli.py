@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                         "all --output-len")
     p.add_argument("--stop-decode-s", type=float, default=0,
                    help="with --decodes 2 or more: measure each routed mode again ('MODE +stop') with its second D "
-                        "stopped (SIGSTOP) this long, from 30%% into the run")
+                        "stopped (SIGSTOP) this long, once 30%% of its requests were bound to a D")
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; <1 burstier")
     p.add_argument("--model", help="model path or name (default: the tiny local Qwen3, built once)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance")
@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-args", default="",
                    help="more `vllm serve` flags for every instance, quoted (prefix caching is off unless "
                         "these say --enable-prefix-caching)")
+    p.add_argument("--router-args", default="",
+                   help="more `neuron-disagg router` flags for every routed mode, quoted (e.g. \"--health-interval-s 0.25\")")
     p.add_argument("--results", type=Path, help="results directory (default ./bench-results/<time>)")
     p.add_argument("--idle-seconds", type=float, default=10,
                    help="per topology, measure each instance's CPU over this long with nothing to do (0: skip)")
@@ -113,7 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(input_lens=preset.input_lens, output_len=preset.output_len, prompts=preset.prompts,
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
-                       vllm_args=preset.vllm_args, decodes=preset.decodes, heavy_tail=preset.heavy_tail,
+                       vllm_args=preset.vllm_args, router_args=preset.router_args, decodes=preset.decodes, heavy_tail=preset.heavy_tail,
                        stop_decode_s=preset.stop_decode_s, **({"modes": list(preset.modes)} if preset.modes else {}),
                        **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
     dtype = args.dtype or ("auto" if args.model else CPU_DTYPE)
     server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype,
-                            args.decodes)
+                            args.decodes, tuple(shlex.split(args.router_args)))
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
     datasets = {n: heavy_tailed_dataset(model, n, args.output_len, args.prompts, raw_dir / f"heavy-tail-in{n}.jsonl")
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": args.prompts, "output_len": args.output_len, "burstiness": args.burstiness,
             "rates": args.rates if not args.p_busy else None, "p_busy": args.p_busy, "preset": args.preset,
             "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds, "churn": args.churn,
-            "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "decodes": args.decodes,
+            "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "decodes": args.decodes, "router_args": args.router_args,
             "heavy_tail": args.heavy_tail, "stop_decode_s": args.stop_decode_s,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     churn_prompts = (pool_churn_prompts(model, args.kv_cache_bytes, 4 if dtype == "float32" else 2,
@@ -280,14 +282,14 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_p
 def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw_dir: Path,
                  stop_decode_s: float) -> RunResult:
     """One run of ``mode`` at ``load``, with what the connector and the router say around it; with
-    ``stop_decode_s``, the second D is stopped that long from 30% into the run, and the result is
-    labelled ``MODE +stop``."""
+    ``stop_decode_s``, the second D is stopped that long once 30% of the requests were bound, and the
+    result is labelled ``MODE +stop``."""
     ours = is_ours(mode)  # only our connector exports these
     routed = mode != "monolithic" and not mode.startswith("ray-")
     p_url, d_url = (topo.prefill.url, topo.decodes[0].url) if ours else ("", "")
     before = (read_connector(p_url), read_connector(d_url)) if ours else None
     routed_before = read_router(url, router_mode(mode)) if routed else None
-    stopper = _DecodeStopper(topo.decodes[1], url, router_mode(mode), 0.3 * load.prompts / load.rate,
+    stopper = _DecodeStopper(topo.decodes[1], url, router_mode(mode), max(1, round(0.3 * load.prompts)),
                              stop_decode_s) if stop_decode_s else None
     try:
         result = run(mode, url, model, load, raw_dir / ("stop" if stopper else ""), topo.timeline_dir)
@@ -316,24 +318,33 @@ def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw
 
 
 class _DecodeStopper(threading.Thread):
-    """After ``at_s``, stops ``decode`` (SIGSTOP of its whole process group) for ``for_s``, and counts
-    the D legs the router at ``router_url`` sent it meanwhile (``binds``): requests bound to a D
-    after it stopped."""
+    """Once the router at ``router_url`` has bound ``after_legs`` D legs more than when it started
+    (the run is under way: `vllm bench serve` takes seconds to start sending), stops ``decode``
+    (SIGSTOP of its whole process group) for ``for_s``, and counts the D legs the router sent it
+    meanwhile (``binds``): requests bound to a D after it stopped."""
 
-    def __init__(self, decode, router_url: str, mode: str, at_s: float, for_s: float):
+    def __init__(self, decode, router_url: str, mode: str, after_legs: int, for_s: float, timeout_s: float = 600):
         super().__init__(name="bench-decode-stopper", daemon=True)
-        self.decode, self.router_url, self.mode, self.at_s, self.for_s = decode, router_url, mode, at_s, for_s
+        self.decode, self.router_url, self.mode = decode, router_url, mode
+        self.after_legs, self.for_s, self.timeout_s = after_legs, for_s, timeout_s
         self.binds: int | None = None
         self.start()
 
+    def _legs(self) -> dict[str, float]:
+        return read_router(self.router_url, self.mode).decode_legs
+
     def run(self) -> None:
-        time.sleep(self.at_s)
-        before = read_router(self.router_url, self.mode).decode_legs.get(self.decode.url, 0.0)
+        start = sum(self._legs().values())
+        deadline = time.monotonic() + self.timeout_s
+        while sum(self._legs().values()) < start + self.after_legs:
+            if time.monotonic() > deadline:
+                return  # the run never got that far: nothing stopped, nothing counted
+            time.sleep(0.05)
+        before = self._legs().get(self.decode.url, 0.0)
         self.decode.pause()
         try:
             time.sleep(self.for_s)
-            after = read_router(self.router_url, self.mode).decode_legs.get(self.decode.url, 0.0)
-            self.binds = int(after - before)
+            self.binds = int(self._legs().get(self.decode.url, 0.0) - before)
         finally:
             self.decode.resume()
 

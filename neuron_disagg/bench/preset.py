@@ -52,6 +52,7 @@ class Preset:
     kv_heavy: bool = False  # the KV-heavy tiny model (tiny_model.KV_HEAVY) instead of the default
     churn: bool = False
     vllm_args: str = ""  # more `vllm serve` flags, for every mode alike
+    router_args: str = ""  # more `neuron-disagg router` flags, for every routed mode alike
     modes: tuple[str, ...] = ()  # empty: the bench's default modes
     decodes: int = 1  # D's per disaggregated topology
     heavy_tail: bool = False  # output lengths Pareto-distributed up to output_len, not all output_len
@@ -159,6 +160,8 @@ SHIFT = Preset(
     name="shift", about="shifting decode load: 1P2D, heavy-tailed outputs, and one D stopped mid-run",
     input_lens=[1024], output_len=256, prompts=40, rounds=2, max_model_len=2048, kv_cache_bytes=512 << 20,
     p_busy=[0.7], decodes=2, heavy_tail=True, stop_decode_s=3.0,
+    # A P here answers within a second of arrival: a stopped D must be seen silent well within that.
+    router_args="--health-interval-s 0.25 --decode-silent-s 0.5",
     modes=("push", *LATE, "pull", "vllm-push", "vllm-pull"),
     goals=(*(g for late in LATE for g in (
         ratio_goal(late, "ttft_p99_ms", "pull", 1.0, "TTFT p99"),

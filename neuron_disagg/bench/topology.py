@@ -71,6 +71,7 @@ class ServerSettings:
     extra: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--tensor-parallel-size", "8")
     dtype: str = "auto"
     decodes: int = 1  # D's per disaggregated topology
+    router_extra: tuple[str, ...] = ()  # more `neuron-disagg router` flags, for every router alike
 
     def kwargs(self) -> dict:
         return {"max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
@@ -156,7 +157,7 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
         ds = _named([reference(mode, "decode", server.model, free_port(), free_port(), "1", keeps_pinning, **kw)
                      for _ in range(server.decodes)])
         r = router([(p.url, p_side)], [d.url for d in ds], free_port(), mode, [reference_engine_id("prefill", p.port)],
-                   timeline_dir=marks)
+                   timeline_dir=marks, extra_args=server.router_extra)
         return Running({mode: r.url}, [p, *ds, r], p, ds, marks)
     secret = secrets.token_hex(32)
     overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {})}
@@ -164,7 +165,7 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
     ds = _named([disaggregated("decode", server.model, free_port(), free_port(), "1", secret, overrides, **kw)
                  for _ in range(server.decodes)])
     routers = {m: router([(p.url, p_side)], [d.url for d in ds], free_port(), router_mode(m), timeline_dir=marks,
-                         secret=secret, extra_args=router_args(m)) for m in group}
+                         secret=secret, extra_args=(*router_args(m), *server.router_extra)) for m in group}
     return Running({m: r.url for m, r in routers.items()}, [p, *ds, *routers.values()], p, ds, marks)
 
 
