@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.p_busy and not loads:  # P's capacity: on P's core, alone, before any load
                 url = topo.prefill.url if topo.prefill else topo.urls["monolithic"]
                 progress.update(task, description=f"measuring P's prefill time on {' + '.join(group)}")
-                meta["p_prefill_ms"] = {n: prefill_ms(url, model, n, raw_dir) for n in args.input_lens}
+                with _paused(list(topo.routers.values())):  # their checks would take P's core
+                    meta["p_prefill_ms"] = {n: prefill_ms(url, model, n, raw_dir) for n in args.input_lens}
                 loads.extend(load(rate, n) for n in args.input_lens
                              for rate in rates_for(args.p_busy, meta["p_prefill_ms"][n]))
                 meta["rates"] = sorted({load.rate for load in loads})
@@ -262,21 +265,43 @@ def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_p
              stop_decode_s: float = 0) -> list[RunResult]:
     out = []
     for mode in group:
-        url = topo.urls[mode]
-        if churn_prompts and mode == group[0]:  # one churn per topology: its modes share P's and D's pools
-            progress.update(task, description=f"{' + '.join(group)}: churning the block pools")
-            churn(url, model, loads[-1], churn_prompts, raw_dir / "churn", mode)
-        if warmup:
-            progress.update(task, description=f"{mode}: warm-up")
-            run(mode, url, model, loads[-1], raw_dir / "warmup")
-        stopping = (False, True) if stop_decode_s and len(topo.decodes) > 1 else (False,)
-        for load in loads:
-            for stop in stopping:
-                progress.update(task, description=f"{mode}{STOPPED if stop else ''}: {load.rate} req/s, "
-                                                  f"input {load.input_len}")
-                out.append(_measure_one(mode, topo, url, model, load, raw_dir, stop_decode_s if stop else 0))
-                progress.advance(task)
+        # The modes sharing these instances each have a router, which checks every instance as often
+        # as the measured one: paused meanwhile, so P and D serve one router's checks, as alone.
+        with _paused([r for m, r in topo.routers.items() if m != mode]):
+            out += _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task,
+                                 churn_prompts if mode == group[0] else 0, stop_decode_s)
     return out
+
+
+def _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int,
+                  stop_decode_s: float) -> list[RunResult]:
+    out = []
+    url = topo.urls[mode]
+    if churn_prompts:  # one churn per topology: its modes share P's and D's pools
+        progress.update(task, description=f"{mode}: churning the block pools")
+        churn(url, model, loads[-1], churn_prompts, raw_dir / "churn", mode)
+    if warmup:
+        progress.update(task, description=f"{mode}: warm-up")
+        run(mode, url, model, loads[-1], raw_dir / "warmup")
+    stopping = (False, True) if stop_decode_s and len(topo.decodes) > 1 else (False,)
+    for load in loads:
+        for stop in stopping:
+            progress.update(task, description=f"{mode}{STOPPED if stop else ''}: {load.rate} req/s, "
+                                              f"input {load.input_len}")
+            out.append(_measure_one(mode, topo, url, model, load, raw_dir, stop_decode_s if stop else 0))
+            progress.advance(task)
+    return out
+
+
+@contextmanager
+def _paused(processes: list) -> Iterator[None]:
+    for process in processes:
+        process.pause()
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.resume()
 
 
 def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw_dir: Path,

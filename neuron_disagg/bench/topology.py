@@ -87,6 +87,7 @@ class Running:
     prefill: ServerProcess | None = None
     decodes: list[ServerProcess] = field(default_factory=list)
     timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
+    routers: dict[str, ServerProcess] = field(default_factory=dict)  # mode -> its router, where it has one
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
 
@@ -158,7 +159,7 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                      for _ in range(server.decodes)])
         r = router([(p.url, p_side)], [d.url for d in ds], free_port(), mode, [reference_engine_id("prefill", p.port)],
                    timeline_dir=marks, extra_args=server.router_extra)
-        return Running({mode: r.url}, [p, *ds, r], p, ds, marks)
+        return Running({mode: r.url}, [p, *ds, r], p, ds, marks, routers={mode: r})
     secret = secrets.token_hex(32)
     overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {})}
     p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
@@ -166,7 +167,8 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                  for _ in range(server.decodes)])
     routers = {m: router([(p.url, p_side)], [d.url for d in ds], free_port(), router_mode(m), timeline_dir=marks,
                          secret=secret, extra_args=(*router_args(m), *server.router_extra)) for m in group}
-    return Running({m: r.url for m, r in routers.items()}, [p, *ds, *routers.values()], p, ds, marks)
+    return Running({m: r.url for m, r in routers.items()}, [p, *ds, *routers.values()], p, ds, marks,
+                   routers=routers)
 
 
 def _named(decodes: list[ServerProcess]) -> list[ServerProcess]:
