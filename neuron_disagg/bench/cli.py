@@ -74,8 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="requests per point (default 16)")
     p.add_argument("--decodes", type=int, default=1, help="D's per disaggregated topology, all on core 1 (default 1)")
     p.add_argument("--heavy-tail", action="store_true",
-                   help="output lengths Pareto-distributed up to --output-len (most short, a few long) instead of "
-                        "all --output-len")
+                   help="output lengths Pareto-distributed from --output-len/16 up to --output-len (most short, a few "
+                        "long) instead of all --output-len")
     p.add_argument("--stop-decode-s", type=float, default=0,
                    help="with --decodes 2 or more: measure each routed mode again ('MODE +stop') with its second D "
                         "stopped (SIGSTOP) this long, once 30%% of its requests were bound to a D")
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.decodes, tuple(shlex.split(args.router_args)))
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
-    datasets = {n: heavy_tailed_dataset(model, n, args.output_len, args.prompts, raw_dir / f"heavy-tail-in{n}.jsonl")
+    datasets = {n: heavy_tailed_dataset(model, n, args.output_len, args.prompts, raw_dir / f"heavy-tail-in{n}.jsonl",
+                                        least=max(8, args.output_len // 16))
                 for n in args.input_lens} if args.heavy_tail else {}
 
     def load(rate: float, n: int) -> Load:

@@ -158,8 +158,10 @@ STOPPED = " +stop"  # a mode's label in the scenario with one D stopped
 
 SHIFT = Preset(
     name="shift", about="shifting decode load: 1P2D, heavy-tailed outputs, and one D stopped mid-run",
-    input_lens=[1024], output_len=256, prompts=40, rounds=2, max_model_len=2048, kv_cache_bytes=512 << 20,
-    p_busy=[0.7], decodes=2, heavy_tail=True, stop_decode_s=3.0,
+    # P half busy, so that its queue does not drown what the D's do; answers of 32-512 tokens, so
+    # that the D's hold several sequences each and the long ones pile up on one.
+    input_lens=[1024], output_len=512, prompts=40, rounds=2, max_model_len=2048, kv_cache_bytes=512 << 20,
+    p_busy=[0.5], decodes=2, heavy_tail=True, stop_decode_s=3.0,
     # A P here answers within a second of arrival: a stopped D must be seen silent well within that.
     router_args="--health-interval-s 0.25 --decode-silent-s 0.5",
     modes=("push", *LATE, "pull", "vllm-push", "vllm-pull"),
