@@ -37,9 +37,9 @@ COMMANDS: dict[str, Command] = {
 # The top-level modules each extra brings (pyproject.toml), checked before a command starts, so a
 # bench without matplotlib fails at once rather than after its runs.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "router": ("aiohttp", "prometheus_client"),
-    "demo": ("aiohttp", "prometheus_client", "httpx", "rich"),
-    "bench": ("aiohttp", "prometheus_client", "httpx", "rich", "matplotlib"),
+    "router": ("aiohttp", "prometheus_client", "zmq"),
+    "demo": ("aiohttp", "prometheus_client", "zmq", "httpx", "rich"),
+    "bench": ("aiohttp", "prometheus_client", "zmq", "httpx", "rich", "matplotlib", "pandas"),
     "deploy": ("boto3", "botocore"),
     "ray": ("ray",),
 }

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .protocol.consumer import ConsumerTimeouts
 from .protocol.lender import LenderTimeouts
@@ -102,6 +102,24 @@ class Config(BaseModel):
         "long. 0: never wait")
     timeline_dir: Path | None = Field(None, description="append per-transfer timestamps here (for the "
                                       "TTFT breakdown of the demo and the benchmark); off when unset")
+    kv_events_endpoint: str | None = Field(
+        None, description="HOST:PORT where the router listens for the instances' KV cache events: `serve` "
+        "makes each instance publish there (it connects; it listens on no port of its own), and the router "
+        "routes by what each holds. Unset: no events; the router goes by what it sent where")
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _events_endpoint_is_an_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError("must be HOST:PORT with a port in 1..65535, e.g. 10.0.0.4:5570")
+        # vLLM's publisher binds (listens on every instance) when its endpoint holds '*' or '::'.
+        if host in ("*", "0.0.0.0") or "::" in host:
+            raise ValueError("must name the router's own address (instances connect to it), not a wildcard "
+                             "or an IPv6 address written with '::'")
+        return value
 
     @model_validator(mode="after")
     def _heartbeats_fit_in_lease(self) -> Config:

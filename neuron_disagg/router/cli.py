@@ -25,7 +25,8 @@ API_KEY_ENV = "NEURON_DISAGG_ROUTER_API_KEY"
 _TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeout_s",
              "decode_idle_timeout_s", "health_interval_s", "health_timeout_s",
              "health_failures_to_eject", "metrics_stale_s", "decode_silent_s", "kv_cache_full_fraction",
-             "prefill_retries", "max_body_bytes", "upstream_connection_limit", "upstream_keepalive_s")
+             "prefill_retries", "max_body_bytes", "upstream_connection_limit", "upstream_keepalive_s",
+             "affinity_epsilon", "block_size", "kv_events_stale_s", "prefix_history_ttl_s")
 
 
 def _horizon(value: str) -> int | str:
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
                         help=RouterSettings.model_fields["timeline_dir"].description)
     parser.add_argument("--bind-horizon-ms", type=_horizon, metavar="arrival|MS",
                         help=f"{RouterSettings.model_fields['bind_horizon_ms'].description} (default: arrival)")
+    parser.add_argument("--tokenizer", metavar="PATH|NAME", help=RouterSettings.model_fields["tokenizer"].description)
+    parser.add_argument("--kv-events-endpoint", metavar="HOST:PORT",
+                        help="where to listen for the instances' KV events (default: the config's kv_events_endpoint)")
+    parser.add_argument("--no-prefix-routing", action="store_true",
+                        help="route by load alone, not by what instances hold")
     parser.add_argument("--no-decode-fallback", action="store_true",
                         help="fail a request no P can take (502/503) instead of having a D compute it whole")
     parser.add_argument("--log-level", default="INFO",
@@ -78,7 +84,12 @@ def build(argv: list[str]) -> tuple[RouterSettings, list[Instance], Config, Para
     """Everything ``main`` needs, validated; raises ConfigError or InstanceSpecError."""
     args = _parser().parse_args(argv)
     config = Config.from_yaml(args.config) if args.config else Config()
+    if args.kv_events_endpoint:  # checked as the config checks its own
+        config = Config.from_mapping({**config.model_dump(exclude_unset=True), "kv_events_endpoint": args.kv_events_endpoint},
+                                     source="--kv-events-endpoint")
     settings = RouterSettings.build(
+        tokenizer=args.tokenizer, kv_events_endpoint=config.kv_events_endpoint,
+        prefix_routing=False if args.no_prefix_routing else None,
         mode=args.mode or config.mode,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         timeline_dir=args.timeline_dir, decode_fallback=False if args.no_decode_fallback else None,
@@ -145,9 +156,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(settings, instances, config, signer, args.host, args.port))
-    except OSError as exc:  # e.g. the port is taken
-        print(f"neuron-disagg router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+    except OSError as exc:  # e.g. a port is taken
+        where = "" if str(exc).startswith("for KV events") else f"on {args.host}:{args.port}: "
+        print(f"neuron-disagg router: cannot listen {where}{exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # the tokenizer did not load
+        print(f"neuron-disagg router: not started: {exc}", file=sys.stderr)
+        return 2
     except RoleMismatch as exc:
         print(f"neuron-disagg router: not started: {exc}", file=sys.stderr)
         return 1

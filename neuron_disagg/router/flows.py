@@ -24,8 +24,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .affinity import Affinity
 from .binding import bind_at
-from .selection import decode_running
+from .prompt_ids import PromptIds
+from .selection import Hits, decode_running
 from .errors import (NoInstance, RouterError, UpstreamFailed, UpstreamRejected, UpstreamTimeout,
                      sse_error_event)
 from .instances import Instance
@@ -57,6 +59,8 @@ class RequestContext:
     arrived: float           # monotonic
     log: RequestLog
     arrived_at: float = field(default_factory=time.time)  # wall clock, for the timeline
+    prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's block chain (``affinity.py``)
+    hits: Hits | None = None  # what each instance holds of the prompt; None: routed by load alone
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,11 @@ async def _cancel(*tasks: asyncio.Task) -> None:
 class Flows:
     def __init__(self, pool: InstancePool, upstream: Upstream, settings: RouterSettings,
                  metrics: RouterMetrics, signer: ParamsSigner | None,
-                 withdrawals: Withdrawals | None = None):
+                 withdrawals: Withdrawals | None = None, affinity: Affinity | None = None,
+                 prompt_ids: PromptIds | None = None):
         self.pool, self.upstream, self.settings, self.metrics = pool, upstream, settings, metrics
+        self.affinity = affinity  # what instances hold; None: routed by load alone
+        self.prompt_ids = prompt_ids or PromptIds()
         self.signer = signer  # signs our modes' kv_transfer_params; None: vLLM's connectors only
         self.withdrawals = withdrawals  # tells P what no D took (our modes); None: P's lease does
         self.timeline = Timeline(settings.timeline_dir, "router")
@@ -100,6 +107,7 @@ class Flows:
         try:
             if not req.mode.startswith("vllm-"):
                 require_signer(self.signer)  # before any leg starts
+            self._match(req, ctx)
             if req.mode in PUSH_MODES:
                 d_leg, p_task = await self._push(req, ctx)
             else:
@@ -157,7 +165,7 @@ class Flows:
         attempt = 0
         horizon_ms = self.settings.bind_horizon_ms if req.mode == "push" else None
         while True:
-            p = self._pick_prefill(tried)
+            p = self._pick_prefill(tried, ctx)
             if p is None:
                 return await self._whole_on_decode(req, ctx, attempt, "no_prefill"), None
             tid = format_transfer_id(ctx.transfer_base, attempt)
@@ -172,7 +180,7 @@ class Flows:
                 await self._until_bind_time(p_task, bind_at(leg.predicted, horizon_s, leg.sent), req.mode)
                 if not (p_task.done() and p_task.exception() is not None):  # else P failed unbound: retry
                     try:
-                        d = self._pick("decode")  # from D's load now, not at arrival
+                        d = self._pick("decode", ctx)  # from D's load now, not at arrival
                     except NoInstance as exc:
                         self._withdraw_if_untaken(req, p, None, tid, exc)
                         raise
@@ -217,7 +225,7 @@ class Flows:
         tried: set[Instance] = set()
         attempt = 0
         while True:
-            p = self._pick_prefill(tried)
+            p = self._pick_prefill(tried, ctx)
             if p is None:
                 return await self._whole_on_decode(req, ctx, attempt, "no_prefill")
             tid = format_transfer_id(ctx.transfer_base, attempt)
@@ -248,7 +256,7 @@ class Flows:
                     f"prefill instance {p.url} answered without its kv_transfer_params offer (got "
                     f"{[type(params).__name__ for params in p_params]}); is it running the neuron_disagg connector?",
                     code="prefill_no_kv_transfer_params", instance=p)
-            d = self._pick("decode")  # late decode choice: the point of pull
+            d = self._pick("decode", ctx)  # late decode choice: the point of pull
             d_leg = self._decode_leg(req, ctx, d, tid, pull_decode_params(req.mode, tid, p_params, self.signer))
             try:
                 await self._open_decode(d_leg, req, ctx, tid)
@@ -261,11 +269,34 @@ class Flows:
         return d_leg
 
     # -- pieces -----------------------------------------------------------------------------------
-    def _pick(self, role: Role, exclude: set[Instance] | None = None) -> Instance:
-        return self.pool.pick(role, time.monotonic(), exclude=frozenset(exclude or ()),
+    def _match(self, req: ClientRequest, ctx: RequestContext) -> None:
+        """What each healthy instance holds of the prompt, into ``ctx`` (once per request; the time
+        it takes, tokenizing included, is measured)."""
+        if self.affinity is None or not self.settings.prefix_routing:
+            return
+        started = time.perf_counter()
+        ids = self.prompt_ids.ids(req)
+        if ids is None:
+            return
+        affinity, now = self.affinity, time.monotonic()
+        keys = affinity.keys(ids)
+        held = {inst: affinity.hit_blocks(inst.url, keys, now) * affinity.block_size
+                for inst in self.pool.all() if inst.healthy}
+        ctx.prefix_keys = keys
+        ctx.hits = Hits(len(ids), lambda inst: held.get(inst, 0), self.settings.affinity_epsilon)
+        self.metrics.affinity_seconds.observe(time.perf_counter() - started)
+
+    def _pick(self, role: Role, ctx: RequestContext, exclude: set[Instance] | None = None) -> Instance:
+        now = time.monotonic()
+        inst = self.pool.pick(role, now, exclude=frozenset(exclude or ()),
                               metrics_stale_s=self.settings.metrics_stale_s,
                               kv_cache_full_fraction=self.settings.kv_cache_full_fraction,
-                              silent_s=self.settings.decode_silent_s)
+                              silent_s=self.settings.decode_silent_s, hits=ctx.hits)
+        if ctx.hits is not None and self.affinity is not None:
+            self.metrics.prefix_tokens.labels(role).inc(ctx.hits.tokens)
+            self.metrics.prefix_held_tokens.labels(role).inc(ctx.hits.held(inst))
+            self.affinity.routed(inst.url, ctx.prefix_keys, now)
+        return inst
 
     def _note_decode_balance(self, mode: Mode) -> None:
         """How unevenly the healthy D's are loaded as a D leg goes out: the most running sequences over
@@ -276,10 +307,10 @@ class Flows:
         if mean > 0:
             self.metrics.decode_imbalance.labels(mode).observe(max(running) / mean)
 
-    def _pick_prefill(self, tried: set[Instance]) -> Instance | None:
+    def _pick_prefill(self, tried: set[Instance], ctx: RequestContext) -> Instance | None:
         """A P for the next attempt; None when none is healthy and a D may compute the request whole."""
         try:
-            return self._pick("prefill", tried)
+            return self._pick("prefill", ctx, tried)
         except NoInstance:
             if not self.settings.decode_fallback or tried:
                 raise
@@ -293,7 +324,7 @@ class Flows:
     async def _whole_on_decode(self, req: ClientRequest, ctx: RequestContext, attempt: int, why: str) -> DecodeLeg:
         """A D computes the request whole, as a plain request (no kv_transfer_params: its connector
         leaves it alone), under a transfer id of its own."""
-        d = self._pick("decode")
+        d = self._pick("decode", ctx)
         tid = format_transfer_id(ctx.transfer_base, attempt)
         ctx.log.warning("transfer_id=%s: no P can take the request (%s); D %s computes it whole", tid, why, d.url)
         self.metrics.computed_on_decode.labels(req.mode, why).inc()
@@ -359,6 +390,8 @@ class Flows:
                 raise
             now = time.monotonic()
             p.pace.answered(leg.sent, now, leg.tokens, leg.predicted)
+            if self.affinity is not None:
+                self.affinity.leg_ended(p.url, now)
             if leg.predicted is not None:
                 self.metrics.prediction_error.observe(leg.predicted - now)
                 self.timeline.mark(tid, "router_p_predicted", time.time() + (leg.predicted - now))
@@ -386,6 +419,8 @@ class Flows:
             self._failed(ctx, tid, exc)
             raise
         self.timeline.mark(tid, "router_first_byte")
+        if self.affinity is not None:  # D has the prompt's blocks by its first token
+            self.affinity.leg_ended(leg.inst.url, time.monotonic())
         ctx.log.debug("transfer_id=%s: first byte from D %s", tid, leg.inst.url)
 
     async def _relay(self, request: web.Request, req: ClientRequest, ctx: RequestContext,

@@ -4,11 +4,17 @@ latencies, retries and failures; ``InstancePool`` hooks keep the per-instance ga
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from .instances import Instance
+
+if TYPE_CHECKING:
+    from .affinity import Affinity
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0, 300.0, 600.0)
@@ -52,7 +58,19 @@ class RouterMetrics:
         self.decode_imbalance = Histogram(p + "decode_imbalance", "The most running sequences on a healthy D "
                                           "over the mean, as a D leg goes out (1: even)", ["mode"],
                                           buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
+        self.affinity_seconds = Histogram(p + "affinity_seconds", "Per request: the prompt's token ids (tokenizing "
+                                          "text), their block chain and each instance's hit",
+                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
+                                          registry=r)
+        self.prefix_tokens = Counter(p + "prefix_prompt_tokens", "Prompt tokens of legs routed knowing the prompt",
+                                     ["role"], registry=r)
+        self.prefix_held_tokens = Counter(p + "prefix_held_tokens", "Of those, tokens the chosen instance already "
+                                          "held (its KV events or this router's history said)", ["role"], registry=r)
         self._children: dict[Instance, tuple[Any, Any, Any]] = {}
+
+    def watch(self, affinity: Affinity, urls: Callable[[], list[str]]) -> None:
+        """Exports what ``affinity`` knows, read at each scrape."""
+        self.registry.register(_AffinityCollector(affinity, urls))
 
     def instance_changed(self, inst: Instance) -> None:
         """Called on every lease change, twice per leg: the labelled children are looked up once."""
@@ -78,3 +96,33 @@ class RouterMetrics:
             (self.prompt_tokens if inst.role == "prefill" else self.decode_legs).remove(inst.url)
         except KeyError:
             pass
+
+
+class _AffinityCollector(Collector):
+    def __init__(self, affinity: Affinity, urls: Callable[[], list[str]]):
+        self.affinity, self.urls = affinity, urls
+
+    def collect(self) -> Iterator[Any]:
+        from .affinity import SOURCES
+
+        p, a = "neuron_disagg_router_", self.affinity
+        source = GaugeMetricFamily(p + "prefix_source", "1 for where the router learns what an instance holds: "
+                                   "events (its KV events) or history (what this router sent it)", labels=["url", "source"])
+        blocks = GaugeMetricFamily(p + "prefix_indexed_blocks", "Blocks an instance's KV events say it holds",
+                                   labels=["url"])
+        for url in self.urls():
+            for name in SOURCES:
+                source.add_metric([url, name], 1.0 if a.source(url) == name else 0.0)
+            blocks.add_metric([url], a.index.blocks(url))
+        rejected = CounterMetricFamily(p + "kv_events_rejected", "KV event messages or events not applied, by "
+                                       "reason", labels=["reason"])
+        for reason, n in (a.rejected + a.index.rejected).items():
+            rejected.add_metric([reason], n)
+        restarts = CounterMetricFamily(p + "kv_events_restarts", "Publishers heard numbering from 0 again (their "
+                                       "blocks forgotten)", labels=["url"])
+        missed = CounterMetricFamily(p + "kv_events_missed", "Batches skipped in a publisher's sequence",
+                                     labels=["url"])
+        for family, counts in ((restarts, a.restarts), (missed, a.missed)):
+            for url, n in counts.items():
+                family.add_metric([url], n)
+        yield from (source, blocks, rejected, restarts, missed)

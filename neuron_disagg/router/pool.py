@@ -13,7 +13,7 @@ from collections.abc import Callable
 from ..kv_params import Role
 from .errors import Conflict, NoInstance, NotFound
 from .instances import Instance, InstanceSpecError, normalise_url
-from .selection import pick_decode, pick_prefill
+from .selection import Hits, pick_decode, pick_prefill
 
 
 @dataclass
@@ -54,8 +54,9 @@ class InstancePool:
 
     def pick(self, role: Role, now: float, *, exclude: frozenset[Instance] = frozenset(),
              metrics_stale_s: float = 30.0, kv_cache_full_fraction: float = 0.95,
-             silent_s: float = 1.0) -> Instance:
-        """The least loaded healthy instance of ``role`` not in ``exclude``; NoInstance if none."""
+             silent_s: float = 1.0, hits: Hits | None = None) -> Instance:
+        """The healthy instance of ``role`` not in ``exclude`` that ``selection.py`` prefers: the least
+        loaded, or within a load bound the one holding most of the prompt (``hits``); NoInstance if none."""
         candidates = [i for i in self.healthy(role) if i not in exclude]
         if not candidates:
             known = sum(1 for i in self._by_url.values() if i.role == role)
@@ -63,9 +64,9 @@ class InstancePool:
             raise NoInstance(f"no {role} instance available ({why}; {known} known)",
                              code=f"no_{role}_instance")
         if role == "prefill":
-            chosen = pick_prefill(candidates)
+            chosen = pick_prefill(candidates, hits)
         else:
-            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction, silent_s)
+            chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction, silent_s, hits)
         chosen.last_picked = next(self._picks)
         return chosen
 

@@ -56,8 +56,14 @@ class EventBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+class _MappedBatch(EventBatch, array_like=False):
+    """vLLM after 0.34 writes a batch as a map, not an array."""
+
+
+_Event = BlockStored | BlockRemoved | AllBlocksCleared
 _decode_batch = msgspec.msgpack.Decoder(EventBatch).decode
-_decode_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared).decode
+_decode_mapped_batch = msgspec.msgpack.Decoder(_MappedBatch).decode
+_decode_event = msgspec.msgpack.Decoder(_Event).decode
 
 #: Most blocks one BlockStored may carry: vLLM sends a step's new blocks of one request; a longer
 #: list is not from vLLM.
@@ -94,8 +100,11 @@ class PrefixIndex:
         try:
             batch = _decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self.rejected["malformed"] += 1
-            return 0
+            try:
+                batch = _decode_mapped_batch(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.rejected["malformed"] += 1
+                return 0
         held = self._held.setdefault(instance, _Held())
         applied = 0
         for raw in batch.events:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -15,7 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from ..kv_params import ParamsSigner
 from ..protocol.wire import WireCodec
+from .affinity import Affinity
 from .app import STATE, build_app
+from .kv_events import EventListener
+from .prompt_ids import PromptIds
 from .flows import Flows
 from .health import HealthMonitor, RoleMismatch
 from .upstream import Upstream
@@ -61,7 +64,15 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(session, fresh)
     state.session = session
     withdrawals = Withdrawals(state.codec) if state.codec is not None else None
-    state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer, withdrawals)
+    affinity = Affinity(s.block_size, events_stale_s=s.kv_events_stale_s, history_ttl_s=s.prefix_history_ttl_s)
+    state.metrics.watch(affinity, lambda: [i.url for i in state.pool.all()])
+    state.pool.on_remove = _also(state.pool.on_remove, lambda inst: affinity.forget(inst.url))
+    listener = None
+    if s.kv_events_endpoint is not None:
+        listener = EventListener(s.kv_events_endpoint, affinity, lambda: {i.url for i in state.pool.all()})
+        listener.start()
+    state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer, withdrawals, affinity,
+                        app[PROMPT_IDS])
     state.health = HealthMonitor(state.pool, session, s)
     await state.health.check_all()  # eject what is down before the first request
     wrong = [inst.role_mismatch for inst in state.pool.all() if inst.role_mismatch]
@@ -77,10 +88,22 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await health_task
         await state.flows.close()
+        if listener is not None:
+            await listener.close()
         await upstream.close()
         if withdrawals is not None:
             await withdrawals.close()
         state.session = state.flows = state.health = None
+
+
+def _also(first: Callable[[Instance], None], then: Callable[[Instance], None]) -> Callable[[Instance], None]:
+    def both(inst: Instance) -> None:
+        first(inst)
+        then(inst)
+    return both
+
+
+PROMPT_IDS = web.AppKey("neuron_disagg_prompt_ids", PromptIds)
 
 
 async def start_router(settings: RouterSettings, instances: Iterable[Instance] = (), *,
@@ -97,6 +120,7 @@ async def start_router(settings: RouterSettings, instances: Iterable[Instance] =
     for inst in instances:
         pool.add(inst)
     app = build_app(settings, pool, metrics, side_channel_port, signer, codec)
+    app[PROMPT_IDS] = PromptIds(settings.tokenizer)  # loaded before anything listens: ValueError names why not
     app.cleanup_ctx.append(_upstream)
     # handler_cancellation: a client that disconnects cancels its handler, which closes both legs.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

@@ -59,6 +59,21 @@ class RouterSettings(BaseModel):
     bind_horizon_ms: int | None = Field(
         None, ge=0, le=600_000, description="push: send D's leg (and choose D) when P's predicted remaining "
         "prefill time falls to this; None ('arrival'): both legs at arrival; 0: when P answers")
+    prefix_routing: bool = Field(True, description="route by what each instance holds (its KV events, or this "
+                                 "router's history) as well as by load, where the prompt's token ids are known")
+    affinity_epsilon: float = Field(0.25, ge=0, le=10, description="what an instance holds may draw a leg to it "
+                                    "only while that keeps it within (1 + this) x the mean load")
+    tokenizer: str | None = Field(None, min_length=1, description="the model's tokenizer (a path or hub name), "
+                                  "to match text prompts against what instances hold; without it only prompts "
+                                  "sent as token ids are matched")
+    kv_events_endpoint: str | None = Field(None, min_length=3, description="HOST:PORT where this router listens "
+                                           "for the instances' KV events (the config's kv_events_endpoint)")
+    block_size: int = Field(16, ge=1, le=4096, description="the instances' KV block size (vLLM's --block-size), "
+                            "which their KV events must carry")
+    kv_events_stale_s: float = Field(10.0, gt=0, le=3600, description="an instance whose legs keep ending this "
+                                     "long after its last KV event has stopped publishing: its history is used")
+    prefix_history_ttl_s: float = Field(300.0, gt=0, le=86400, description="without KV events, a prompt sent to "
+                                        "an instance is counted as held there this long")
     timeline_dir: str | None = Field(None, min_length=1, description="append each transfer's arrival "
                                      "and first-byte times here (see neuron_disagg.timeline)")
 

@@ -69,10 +69,43 @@ def library_env(config: Config, env: dict[str, str], root: str = "/") -> dict[st
     return {**env, "LD_LIBRARY_PATH": fabric_libs.library_path(directory, env)}
 
 
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in vLLM's arguments (the last one given)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def own_url(config: Config, vllm_args: list[str]) -> str:
+    """The URL the router reaches this instance at: vLLM's --host (the side channel's host where vLLM
+    listens on every address) and --port (vLLM's default 8000)."""
+    host = _flag(vllm_args, "--host")
+    if host in (None, "", "0.0.0.0", "::"):
+        host = config.side_channel_host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{_flag(vllm_args, '--port') or 8000}"
+
+
+def kv_events_config(config: Config, vllm_args: list[str]) -> dict | None:
+    """vLLM's KV events, published to the router (config.kv_events_endpoint) under this instance's
+    URL: the publisher connects there and listens nowhere."""
+    if config.kv_events_endpoint is None:
+        return None
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{config.kv_events_endpoint}",
+            "topic": own_url(config, vllm_args)}
+
+
 def build_command(role: str, model: str, config: Config, vllm_args: list[str], python: str = sys.executable) -> list[str]:
     # Only a failing policy produces reasons to tell: under recompute no request fails for want of
     # KV, and the middleware would only add a hop to every streamed chunk.
     told = ["--middleware", failures.MIDDLEWARE] if config.kv_load_failure_policy == "fail" else []
+    events = kv_events_config(config, vllm_args)
+    if events is not None and _flag(vllm_args, "--kv-events-config") is None:  # the user's own wins
+        told += ["--kv-events-config", json.dumps(events)]
     return [python, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--kv-transfer-config", json.dumps(kv_transfer_config(role, config)), *told, *vllm_args]
 

@@ -117,6 +117,7 @@ def test_each_extras_modules_are_the_ones_pyproject_installs():
         return names
 
     module_of = {"aiohttp": "aiohttp", "prometheus_client": "prometheus_client", "httpx": "httpx", "rich": "rich",
-                 "matplotlib": "matplotlib", "boto3": "boto3", "ray": "ray"}
+                 "matplotlib": "matplotlib", "boto3": "boto3", "ray": "ray", "pyzmq": "zmq",
+                 "pandas": "pandas"}
     for extra, modules in cli.EXTRA_MODULES.items():
         assert {module_of[d] for d in distributions(extra)} == set(modules) - {"botocore"}, extra
