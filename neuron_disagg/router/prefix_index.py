@@ -132,7 +132,8 @@ class PrefixIndex:
                 or len(event.token_ids) != n * self.block_size):
             self.rejected["bad_event"] += 1
             return False
-        if (event.lora_id is not None or event.lora_name is not None or event.extra_keys
+        if (event.lora_id is not None or event.lora_name is not None
+                or any(k is not None for k in event.extra_keys or ())  # one entry per block, None if none
                 or event.medium not in (None, "GPU") or event.group_idx not in (None, 0)):
             self.rejected["not_indexed"] += 1
             return False

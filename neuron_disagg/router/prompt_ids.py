@@ -5,7 +5,7 @@ loaded once at startup with ``transformers``, which every vLLM environment has):
 prompt is encoded as vLLM encodes it (special tokens added), a chat's messages through the
 tokenizer's chat template with the generation prompt, as vLLM's chat endpoint applies it by
 default. Where this router cannot know the ids (no tokenizer, a list of several prompts, a chat with
-tools or images), ``ids`` answers None and the request is routed by load alone. A tokenization that
+tools or images, a cache salt), ``ids`` answers None and the request is routed by load alone. A tokenization that
 differs from vLLM's costs hits, never correctness: each instance computes what it does not hold.
 """
 
@@ -32,6 +32,8 @@ class PromptIds:
 
     def ids(self, req: ClientRequest) -> list[int] | None:
         body = req.body
+        if body.get("cache_salt"):  # salted blocks hash apart from everyone's: nothing to match
+            return None
         if req.path.endswith("/chat/completions"):
             return self._chat(body)
         prompt = body.get("prompt")

@@ -17,7 +17,8 @@ import httpx
 from neuron_disagg import kv_params
 from neuron_disagg.demo import tiny_model
 from neuron_disagg.kv_params import ParamsSigner
-from neuron_disagg.local_cluster import descendants, disaggregated, free_port, monolithic, router, stop_together
+from neuron_disagg.local_cluster import (BLOCK_SIZE, descendants, disaggregated, free_port, monolithic, router,
+                                         stop_together)
 
 from ..vllm_envs import VllmEnv
 TIMEOUTS = {"lease_s": 6, "heartbeat_interval_s": 1, "watchdog_s": 20, "max_write_s": 3, "max_read_s": 3,
@@ -51,7 +52,9 @@ class Cluster:
         self.secret = secrets.token_hex(32)
         self.signer = ParamsSigner(self.secret.encode())  # signs kv_transfer_params as the router does
         self.timeline_dir = tempfile.mkdtemp(prefix="neuron-disagg-timeline-")
-        on = {"timeline_dir": self.timeline_dir}
+        # P and D publish their KV events to the router's endpoint (``routed``), as serve makes them.
+        self.events = f"127.0.0.1:{free_port()}"
+        on = {"timeline_dir": self.timeline_dir, "kv_events_endpoint": self.events}
         # P also takes llm-d's sidecar legs (test_llm_d.py); nothing else sends it unsigned ones.
         # P computes a prompt 128 tokens a step (4 blocks), so that a few hundred words take several
         # steps and push streams their finished blocks while the prefill runs.
@@ -109,7 +112,8 @@ def running(env: VllmEnv, reference_from_decode: bool = False):
 def routed(c: Cluster):
     """The router (./.venv's) in front of the cluster's P and D."""
     instance = router([(c.p.url, c.p_side)], [c.d.url], free_port(), timeline_dir=c.timeline_dir,
-                      secret=c.secret).start()
+                      secret=c.secret, extra_args=("--kv-events-endpoint", c.events, "--tokenizer", c.model,
+                                                   "--block-size", str(BLOCK_SIZE))).start()
     try:
         yield instance.wait_ready(60)
     finally:
