@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import zlib
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -34,9 +36,9 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from .arglists import positive_list
 from . import report
-from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer, heavy_tailed_dataset, mean_imbalance,
-                   mean_step_us, pool_churn_prompts, prefill_ms, read_connector, read_router, run, scratch_dir,
-                   step_quantile_us, thread_cpu_percent)
+from .load import (CPU, WALL, Conversations, Load, RunResult, churn, conversation_dataset, descriptors_per_transfer,
+                   heavy_tailed_dataset, held_share, legs_imbalance, mean_imbalance, mean_step_us, pool_churn_prompts,
+                   prefill_ms, read_connector, read_router, run, scratch_dir, step_quantile_us, thread_cpu_percent)
 from .preset import PRESETS, STOPPED, evaluate, rates_for
 from .rounds import measure_in_rounds
 from .topology import DEFAULT_MODES, MODES, Running, ServerSettings, groups, is_mode, is_ours, router_mode, started
@@ -73,6 +75,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--prompts", type=int, default=16, help="requests per point (default 16)")
     p.add_argument("--decodes", type=int, default=1, help="D's per disaggregated topology, all on core 1 (default 1)")
+    p.add_argument("--prefills", type=int, default=1, help="P's per topology of ours, all on core 0 (default 1)")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="N > 0: instead of random prompts, N conversations of --turns turns each, every turn the "
+                        "previous prompt, an answer of --output-len tokens and a new user message, after one shared "
+                        "system prompt of --system-tokens (--input-lens then names the system prompt's length); "
+                        "each mode and round has conversations of its own")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    p.add_argument("--user-tokens", type=int, default=64, help="tokens of each user message (default 64)")
+    p.add_argument("--hot-prefix", action="store_true",
+                   help="with --conversations: one prefix for everything instead (each request the system prompt "
+                        "and a message of its own)")
     p.add_argument("--heavy-tail", action="store_true",
                    help="output lengths Pareto-distributed from --output-len/16 up to --output-len (most short, a few "
                         "long) instead of all --output-len")
@@ -118,7 +131,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                        rounds=preset.rounds, max_model_len=preset.max_model_len,
                        kv_cache_bytes=preset.kv_cache_bytes, p_busy=preset.p_busy, churn=preset.churn,
                        vllm_args=preset.vllm_args, router_args=preset.router_args, decodes=preset.decodes, heavy_tail=preset.heavy_tail,
-                       stop_decode_s=preset.stop_decode_s, **({"modes": list(preset.modes)} if preset.modes else {}),
+                       stop_decode_s=preset.stop_decode_s, prefills=preset.prefills,
+                       **({"conversations": preset.workload.conversations, "turns": preset.workload.turns,
+                           "user_tokens": preset.workload.user_tokens, "hot_prefix": preset.workload.hot_prefix}
+                          if preset.workload else {}),
+                       **({"modes": list(preset.modes)} if preset.modes else {}),
                        **({"rates": preset.rates} if preset.rates else {}))
     args = p.parse_args(argv)
     given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
@@ -139,8 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     # is stopped: each runs in a session of its own, which killing the bench alone would orphan.
     signal.signal(signal.SIGTERM, _terminated)
     preset = PRESETS.get(args.preset)
-    if min(args.prompts, args.output_len, args.tp, args.rounds, args.decodes) < 1:
-        parser().error("--prompts, --output-len, --tp, --rounds and --decodes must be at least 1")
+    if min(args.prompts, args.output_len, args.tp, args.rounds, args.decodes, args.prefills, args.turns) < 1:
+        parser().error("--prompts, --output-len, --tp, --rounds, --decodes, --prefills and --turns must be at least 1")
+    workload = (Conversations(args.conversations, args.turns, args.input_lens[0], args.user_tokens, args.output_len,
+                              args.hot_prefix) if args.conversations else None)
+    if workload is not None:
+        if len(args.input_lens) > 1 or args.heavy_tail:
+            parser().error("--conversations takes one --input-lens (the system prompt's) and no --heavy-tail")
+        args.prompts = workload.requests
     if args.stop_decode_s < 0 or (args.stop_decode_s and args.decodes < 2):
         parser().error("--stop-decode-s needs --decodes 2 or more (the router must have another D to choose)")
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs keep the whole table
@@ -151,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     # measured cache hits — one computed token instead of a prefill — in every mode alike.
     extra = (("--no-enable-prefix-caching", *shlex.split(args.vllm_args))
              + (("--tensor-parallel-size", str(args.tp)) if args.tp > 1 else ()))
-    if args.max_model_len < max(args.input_lens) + args.output_len:
+    if args.max_model_len < (workload.longest if workload else max(args.input_lens)) + args.output_len:
         parser().error(f"--max-model-len {args.max_model_len} is shorter than the longest input plus output")
     dtype = args.dtype or ("auto" if args.model else CPU_DTYPE)
     server = ServerSettings(model, args.max_model_len, args.kv_cache_bytes, args.block_size, extra, dtype,
-                            args.decodes, tuple(shlex.split(args.router_args)))
+                            args.decodes, args.prefills, tuple(shlex.split(args.router_args)))
     out_dir = args.results or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     raw_dir = scratch_dir()
     datasets = {n: heavy_tailed_dataset(model, n, args.output_len, args.prompts, raw_dir / f"heavy-tail-in{n}.jsonl",
@@ -165,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     def load(rate: float, n: int) -> Load:
         return Load(rate, n, args.output_len, args.prompts, args.burstiness, dataset=datasets.get(n))
 
+    def conversations(mode: str, tag: str) -> str:
+        """Conversations of their own for ``mode`` in one round's warm-up or run (``tag``)."""
+        assert workload is not None
+        name = f"{mode}-{tag}".replace(" ", "")
+        return conversation_dataset(model, workload, raw_dir / "conversations" / f"{name}.jsonl", zlib.crc32(name.encode()))
+
     # With --p-busy the rates come from P's prefill time, measured on the first topology up.
     loads = [] if args.p_busy else [load(rate, n) for n in args.input_lens for rate in args.rates]
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tp": args.tp,
@@ -172,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "rates": args.rates if not args.p_busy else None, "p_busy": args.p_busy, "preset": args.preset,
             "input_lens": args.input_lens, "modes": args.modes, "rounds": args.rounds, "churn": args.churn,
             "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "decodes": args.decodes, "router_args": args.router_args,
-            "heavy_tail": args.heavy_tail, "stop_decode_s": args.stop_decode_s,
+            "heavy_tail": args.heavy_tail, "stop_decode_s": args.stop_decode_s, "prefills": args.prefills,
+            "workload": vars(workload) if workload else None,
             "vllm_args": list(extra), "raw": str(raw_dir), "idle_seconds": args.idle_seconds}
     churn_prompts = (pool_churn_prompts(model, args.kv_cache_bytes, 4 if dtype == "float32" else 2,
                                         max(args.input_lens)) if args.churn else 0)
@@ -214,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             raw = raw_dir / f"round-{round_index + 1}" if args.rounds > 1 else raw_dir
             first = round_index == 0
             return _measure(group, topo, loads, model, raw, warmup and first, progress, task,
-                            churn_prompts if first else 0, args.stop_decode_s)
+                            churn_prompts if first else 0, args.stop_decode_s,
+                            conversations if workload else None, f"round{round_index + 1}")
 
         if args.rounds > 1:
             progress.update(task, description="starting every topology")
@@ -263,33 +294,41 @@ def _measure_again(server, loads, model, raw_dir, warmup, progress, task) -> lis
 
 
 def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int = 0,
-             stop_decode_s: float = 0) -> list[RunResult]:
+             stop_decode_s: float = 0, workload: Callable[[str, str], str] | None = None,
+             tag: str = "") -> list[RunResult]:
     out = []
     for mode in group:
         # The modes sharing these instances each have a router, which checks every instance as often
         # as the measured one: paused meanwhile, so P and D serve one router's checks, as alone.
         with _paused([r for m, r in topo.routers.items() if m != mode]):
             out += _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task,
-                                 churn_prompts if mode == group[0] else 0, stop_decode_s)
+                                 churn_prompts if mode == group[0] else 0, stop_decode_s, workload, tag)
     return out
 
 
 def _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int,
-                  stop_decode_s: float) -> list[RunResult]:
+                  stop_decode_s: float, workload: Callable[[str, str], str] | None = None,
+                  tag: str = "") -> list[RunResult]:
     out = []
     url = topo.urls[mode]
+
+    def own(load: Load, what: str) -> Load:
+        """``load`` with this mode's own conversations (none shared with another mode or round)."""
+        return replace(load, dataset=workload(mode, f"{tag}-{what}")) if workload else load
+
     if churn_prompts:  # one churn per topology: its modes share P's and D's pools
         progress.update(task, description=f"{mode}: churning the block pools")
         churn(url, model, loads[-1], churn_prompts, raw_dir / "churn", mode)
     if warmup:
         progress.update(task, description=f"{mode}: warm-up")
-        run(mode, url, model, loads[-1], raw_dir / "warmup")
+        run(mode, url, model, own(loads[-1], "warmup"), raw_dir / "warmup")
     stopping = (False, True) if stop_decode_s and len(topo.decodes) > 1 else (False,)
     for load in loads:
         for stop in stopping:
             progress.update(task, description=f"{mode}{STOPPED if stop else ''}: {load.rate} req/s, "
                                               f"input {load.input_len}")
-            out.append(_measure_one(mode, topo, url, model, load, raw_dir, stop_decode_s if stop else 0))
+            out.append(_measure_one(mode, topo, url, model, own(load, f"{load.rate}{STOPPED if stop else ''}"),
+                                    raw_dir, stop_decode_s if stop else 0))
             progress.advance(task)
     return out
 
@@ -314,6 +353,8 @@ def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw
     routed = mode != "monolithic" and not mode.startswith("ray-")
     p_url, d_url = (topo.prefill.url, topo.decodes[0].url) if ours else ("", "")
     before = (read_connector(p_url), read_connector(d_url)) if ours else None
+    movers = [i.url for i in (*topo.prefills, *topo.decodes)] if ours else []  # every P and D: the KV bytes posted
+    moved_before = sum(read_connector(u).bytes for u in movers)
     routed_before = read_router(url, router_mode(mode)) if routed else None
     stopper = _DecodeStopper(topo.decodes[1], url, router_mode(mode), max(1, round(0.3 * load.prompts)),
                              stop_decode_s) if stop_decode_s else None
@@ -326,7 +367,17 @@ def _measure_one(mode: str, topo: Running, url: str, model: str, load: Load, raw
         result.mode = f"{mode}{STOPPED}"
         result.stopped_d_binds = stopper.binds
     if routed_before:
-        result.decode_imbalance = mean_imbalance(routed_before, read_router(url, router_mode(mode)))
+        routed_after = read_router(url, router_mode(mode))
+        result.decode_imbalance = mean_imbalance(routed_before, routed_after)
+        result.decode_legs_imbalance = legs_imbalance(routed_before.decode_legs, routed_after.decode_legs)
+        if len(routed_after.prefill_legs) > 1:
+            result.prefill_legs_imbalance = legs_imbalance(routed_before.prefill_legs, routed_after.prefill_legs)
+        result.prefill_held_share = held_share(routed_before, routed_after, "prefill")
+        result.decode_held_share = held_share(routed_before, routed_after, "decode")
+        p99 = step_quantile_us(routed_before.affinity, routed_after.affinity, 0.99)
+        result.affinity_p99_ms = None if p99 is None else round(p99 / 1e3, 2)
+    if movers and result.completed:
+        result.kv_bytes_per_request = round((sum(read_connector(u).bytes for u in movers) - moved_before) / result.completed)
     if before:
         result.thread_cpu_percent = {}
         after = (read_connector(p_url), read_connector(d_url))

@@ -67,6 +67,12 @@ class RunResult:
     prediction_error_p50_ms: float | None = None  # P's predicted answer minus its real one (binding horizon)
     prediction_error_p99_ms: float | None = None
     stopped_d_binds: int | None = None  # D legs the router sent to a D while it was stopped (SIGSTOP)
+    kv_bytes_per_request: float | None = None  # KV bytes P's and D's posted, per completed request (our modes)
+    prefill_legs_imbalance: float | None = None  # the most P legs sent to one P over the mean (several P's)
+    decode_legs_imbalance: float | None = None  # the same over the D's (or the monolithic instances)
+    prefill_held_share: float | None = None  # of the prompt tokens the router matched, what the chosen P held
+    decode_held_share: float | None = None  # ... and the chosen D
+    affinity_p99_ms: float | None = None  # the router's time per request tokenizing and matching, p99 (a bucket bound)
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -169,14 +175,78 @@ def heavy_tailed_dataset(tokenizer_dir: str, input_len: int, max_output: int, pr
     return str(path)
 
 
+@dataclass(frozen=True)
+class Conversations:
+    """The multi-turn workload (``conversation_dataset``): ``conversations`` x ``turns`` requests, each
+    turn's prompt the previous prompt, an answer of ``answer_tokens`` and a new user message of
+    ``user_tokens``, all after one system prompt of ``system_tokens``. ``hot_prefix``: instead, every
+    request is the system prompt and a message of its own (one prefix for everything)."""
+
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    answer_tokens: int
+    hot_prefix: bool = False
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+    @property
+    def longest(self) -> int:
+        return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
+
+
+def conversation_dataset(tokenizer_dir: str, workload: Conversations, path: Path, seed: int) -> str:
+    """A JSONL for ``vllm bench serve --dataset-name custom`` in the order sent: turn 1 of every
+    conversation, then turn 2 of every one..., so that a conversation's turns are ``conversations``
+    requests apart and each turn's KV is stored before the next arrives. The text is random token
+    ids, seeded: each seed's prompts share nothing with another's (modes and rounds on the same
+    instances must not hit each other's blocks). An answer in the history is text of its own, not
+    what the model said (``vllm bench serve`` sends fixed prompts): the system prompt, the earlier
+    user messages and the earlier answers' places are what a turn shares with the one before."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = min(tokenizer.vocab_size, 30000)
+
+    def text(tokens: int) -> str:
+        ids = [t for t in (rng.randrange(vocab // 20, vocab) for _ in range(tokens)) if t not in special]
+        return tokenizer.decode(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:tokens])
+
+    system = text(workload.system_tokens)
+    histories = [system] * workload.conversations
+    lines = []
+    for _ in range(workload.turns):
+        for c in range(workload.conversations):
+            prompt = histories[c] + "\n" + text(workload.user_tokens)
+            lines.append(json.dumps({"prompt": prompt, "output_tokens": workload.answer_tokens}))
+            if not workload.hot_prefix:
+                histories[c] = prompt + "\n" + text(workload.answer_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 @dataclass
 class RouterReading:
     """What the bench reads from a router's /metrics around a run: the decode balance histogram's
-    sum and count (``mode``'s), and the D legs sent to each D."""
+    sum and count (``mode``'s), the legs sent to each D and each P, its time matching prompts
+    against what instances hold, and the prompt tokens it routed knowing the prompt, and of those
+    the ones the chosen instance held (by role)."""
 
     imbalance_sum: float
     imbalance_count: float
     decode_legs: dict[str, float]
+    prefill_legs: dict[str, float] = field(default_factory=dict)
+    affinity: StepTime = field(default_factory=StepTime)
+    prefix_tokens: dict[str, float] = field(default_factory=dict)
+    held_tokens: dict[str, float] = field(default_factory=dict)
 
 
 def read_router(url: str, mode: str) -> RouterReading:
@@ -191,13 +261,32 @@ def read_router(url: str, mode: str) -> RouterReading:
 def parse_router(text: str, mode: str) -> RouterReading:
     """A router's readings from its Prometheus text, the decode balance of its ``mode`` requests."""
     prefix = "neuron_disagg_router_"
-    legs: dict[str, float] = {}
+    legs: dict[str, dict[str, float]] = {"decode": {}, "prefill": {}}
     for line in text.splitlines():
-        if line.startswith(prefix + "decode_legs_total{"):
-            legs[line.split('url="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[-1])
+        for role in legs:
+            if line.startswith(f"{prefix}{role}_legs_total{{"):
+                legs[role][line.split('url="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[-1])
     label = f'{{mode="{mode}"}}'
+    roles = ("prefill", "decode")
     return RouterReading(counter_total(text, f"{prefix}decode_imbalance_sum{label}"),
-                         counter_total(text, f"{prefix}decode_imbalance_count{label}"), legs)
+                         counter_total(text, f"{prefix}decode_imbalance_count{label}"), legs["decode"], legs["prefill"],
+                         parse_step_time(text, f"{prefix}affinity_seconds"),
+                         {r: counter_total(text, f'{prefix}prefix_prompt_tokens_total{{role="{r}"}}') for r in roles},
+                         {r: counter_total(text, f'{prefix}prefix_held_tokens_total{{role="{r}"}}') for r in roles})
+
+
+def legs_imbalance(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Max over mean of the legs each instance was sent between two readings (1: even)."""
+    sent = [after[url] - before.get(url, 0.0) for url in after]
+    mean = sum(sent) / len(sent) if sent else 0.0
+    return round(max(sent) / mean, 2) if mean > 0 else None
+
+
+def held_share(before: RouterReading, after: RouterReading, role: str) -> float | None:
+    """Of the prompt tokens routed knowing the prompt, the share the chosen ``role`` instance held."""
+    tokens = after.prefix_tokens.get(role, 0.0) - before.prefix_tokens.get(role, 0.0)
+    held = after.held_tokens.get(role, 0.0) - before.held_tokens.get(role, 0.0)
+    return round(held / tokens, 3) if tokens > 0 else None
 
 
 def mean_imbalance(before: RouterReading, after: RouterReading) -> float | None:
@@ -268,6 +357,7 @@ class ConnectorReading:
     at: float  # monotonic
     descriptors: float = 0.0  # posted here: P's writes (push), D's reads (pull)
     transfers: float = 0.0  # completed here: P's writes, D's loads
+    bytes: float = 0.0  # KV bytes posted here: P's writes, D's reads
 
 
 def read_connector(url: str) -> ConnectorReading:
@@ -281,7 +371,8 @@ def read_connector(url: str) -> ConnectorReading:
                             {mode: counter_total(text, f"neuron_disagg_{mode}_thread_cpu_us_total")
                              for mode in ("push", "pull")}, at,
                             counter_total(text, "neuron_disagg_descriptors_total"),
-                            counter_total(text, "neuron_disagg_transfers_total"))
+                            counter_total(text, "neuron_disagg_transfers_total"),
+                            counter_total(text, "neuron_disagg_bytes_total"))
 
 
 def counter_total(text: str, name: str) -> float:

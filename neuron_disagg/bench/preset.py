@@ -11,6 +11,9 @@
   long) so the two D's loads diverge, and a second scenario per mode (``<mode> +stop``) in which one
   D is stopped (SIGSTOP) for a few seconds mid-run. Push bound at arrival against push bound late
   (``push-bind-MS``) and the pull modes, which choose D when P answers.
+- ``multiturn``: conversations over 2P2D with the prefix cache on: each mode routed by load alone
+  against the same mode routed by what each instance holds (``-cache``), push, pull and two
+  monolithic instances behind the router. ``hot-prefix``: the same with one prefix for everything.
 - ``light``: the light corner (512 tokens at 1 and 2 req/s, the default tiny model), where the goals
   are about what push costs over monolithic rather than its lead.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from .load import RunResult
+from .load import Conversations, RunResult
 from .topology import DEFAULT_MODES
 
 Point = dict[str, RunResult]  # mode -> its result at one (rate, input length)
@@ -57,6 +60,8 @@ class Preset:
     decodes: int = 1  # D's per disaggregated topology
     heavy_tail: bool = False  # output lengths Pareto-distributed up to output_len, not all output_len
     stop_decode_s: float = 0  # > 0: each mode again with its second D stopped this long mid-run
+    prefills: int = 1  # P's per topology of ours
+    workload: Conversations | None = None  # conversations instead of random prompts (input_lens: the system prompt's)
     goals: tuple[Goal, ...] = ()
 
 
@@ -173,7 +178,34 @@ SHIFT = Preset(
         at_most_goal(late + STOPPED, "stopped_d_binds", 0, "D legs bound to the stopped D"),
         ratio_goal(late + STOPPED, "ttft_p99_ms", late, 1.5, "TTFT p99"))),))
 
-PRESETS = {p.name: p for p in (SEED, SEED_LONG, LIGHT, SHIFT)}
+#: Routed by what instances hold, and by load alone: push, pull and two monolithic instances.
+CACHED = ("push-cache", "pull-cache", "mono2-cache")
+_CONVERSATIONS = dict(
+    # 9 conversations (odd: routed by load alone, consecutive requests alternate between two P's, and
+    # a conversation's turns, 9 requests apart, do not keep to one P by accident), 6 turns each,
+    # a 256-token system prompt, 64-token messages and answers: the last turn is 960 tokens.
+    input_lens=[256], output_len=64, prompts=54, rounds=2, max_model_len=2048, kv_cache_bytes=256 << 20,
+    rates=[2.0], vllm_args="--enable-prefix-caching", decodes=2, prefills=2,
+    modes=("push", "push-cache", "pull", "pull-cache", "mono2", "mono2-cache"))
+_BALANCED = tuple(g for mode in CACHED for g in (
+    at_most_goal(mode, "decode_legs_imbalance", 1.3, "legs max/mean over its D's"),
+    at_most_goal(mode, "affinity_p99_ms", 2.0, "router's match time per request p99, ms"))) + tuple(
+    at_most_goal(mode, "prefill_legs_imbalance", 1.3, "legs max/mean over its P's") for mode in CACHED[:2])
+
+MULTITURN = Preset(
+    name="multiturn", about="conversations on 2P2D, prefix cache on: routed by what instances hold against by load",
+    workload=Conversations(9, 6, 256, 64, 64), **_CONVERSATIONS,  # type: ignore[arg-type]
+    goals=(*(g for mode in ("push", "pull") for g in (
+        ratio_goal(f"{mode}-cache", "ttft_p50_ms", mode, 0.5, "TTFT p50"),
+        ratio_goal(f"{mode}-cache", "kv_bytes_per_request", mode, 0.4, "KV bytes per request"))),
+        *_BALANCED))
+
+HOT_PREFIX = Preset(
+    name="hot-prefix", about="one prefix for everything on 2P2D: what routing by what instances hold does to balance",
+    workload=Conversations(9, 6, 256, 64, 64, hot_prefix=True), **_CONVERSATIONS,  # type: ignore[arg-type]
+    goals=_BALANCED)
+
+PRESETS = {p.name: p for p in (SEED, SEED_LONG, LIGHT, SHIFT, MULTITURN, HOT_PREFIX)}
 
 
 def rates_for(p_busy: list[float], prefill_ms: float) -> list[float]:

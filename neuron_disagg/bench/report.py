@@ -55,7 +55,10 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
                  ("ttft_p99_ms", "TTFT p99 ms", 0),
                  ("tpot_p50_ms", "TPOT p50 ms", 1), ("tpot_p99_ms", "TPOT p99 ms", 1),
                  ("decode_imbalance", "D max/mean", 2), ("prediction_error", "P pred. err p50/p99 ms", 0),
-                 ("stopped_d_binds", "to stopped D", 0), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
+                 ("stopped_d_binds", "to stopped D", 0), ("prefill_legs_imbalance", "P legs max/mean", 2),
+                 ("decode_legs_imbalance", "D legs max/mean", 2), ("prefill_held_share", "P held", 2),
+                 ("decode_held_share", "D held", 2), ("kv_bytes_per_request", "KV bytes/req", 0),
+                 ("affinity_p99_ms", "match p99 ms", 2), ("ttft_p50_vs_reference", f"TTFT/{REFERENCE}", 2),
                  ("tpot_p50_vs_reference", f"TPOT/{REFERENCE}", 2), ("ttft_p50_vs_monolithic", "TTFT/mono", 2),
                  ("prefill_step", "P step p50/p99 us", 0), ("prefill_step_cpu", "P CPU p50/p99 us", 0),
                  ("decode_step", "D step p50/p99 us", 0), ("decode_step_cpu", "D CPU p50/p99 us", 0),
@@ -64,7 +67,8 @@ TABLE_COLUMNS = (("mode", "mode", 0), ("rate", "req/s", 2), ("input_len", "input
 #: Columns shown only where some result has a value: the rounds' spread (--rounds), descriptors
 #: (our connector's modes) and P's share busy (--p-busy).
 OPTIONAL_COLUMNS = ("ttft_p50_spread", "descriptors_per_transfer", "p_busy", "tpot_p99_ms", "decode_imbalance",
-                    "prediction_error", "stopped_d_binds")
+                    "prediction_error", "stopped_d_binds", "prefill_legs_imbalance", "decode_legs_imbalance",
+                    "prefill_held_share", "decode_held_share", "kv_bytes_per_request", "affinity_p99_ms")
 
 
 def _cell(row: dict, key: str, digits: int) -> str:

@@ -14,8 +14,15 @@
   front), where Ray is installed (Ray 2.60 pins vLLM 0.29: run the bench from that environment so
   every mode serves on one vLLM).
 
+- push-cache / pull-cache: push and pull behind a router that routes by what each instance holds
+  (``router/affinity.py``: the instances publish their KV events to it; it tokenizes with the
+  model's tokenizer), on the same P's and D's as push and pull, whose routers go by load alone.
+- mono2 / mono2-cache: two monolithic instances (one per core) behind our router, by load alone or
+  by what each holds: no P, so each instance computes its requests whole (the router's
+  ``decode_fallback``), the reference for routing without disaggregation.
+
 ``ServerSettings.decodes`` > 1 starts that many D's per topology (all on core 1), behind each
-router: the shifting-load preset's 1P2D.
+router: the shifting-load preset's 1P2D; ``prefills`` > 1 as many P's (all on core 0).
 
 One topology runs at a time (2 cores): the others are not started yet, or paused (``bench.rounds``).
 ``ServerSettings`` carries the vLLM flags shared by all of them, so every mode serves with identical
@@ -24,6 +31,7 @@ settings.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import tempfile
@@ -31,16 +39,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 
+from ..config import Config
 from ..local_cluster import (ServerProcess, disaggregated, free_port, monolithic, ray_serve, reference,
-                             reference_engine_id, router, stop_together)
+                             reference_engine_id, router, stop_together, vllm_args)
+from ..vllm.serve import kv_events_config
 from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
-MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull")
+MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull",
+         "push-cache", "pull-cache", "mono2", "mono2-cache")
 DEFAULT_MODES = MODES[:6]  # the ray modes need Ray installed: asked for by name
 #: push-bind-MS: push with the binding horizon MS (``router/binding.py``); not in MODES, any MS goes.
 BOUND_LATE = re.compile(r"push-bind-(\d+)")
-OURS = ("push", "push-whole", "pull")  # our connector's modes, which export its metrics
+OURS = ("push", "push-whole", "pull", "push-cache", "pull-cache")  # our connector's modes, which export its metrics
+CACHE_AWARE = "-cache"  # a mode's suffix: its router routes by what instances hold
 
 
 def is_mode(mode: str) -> bool:
@@ -52,13 +64,24 @@ def is_ours(mode: str) -> bool:
 
 
 def router_mode(mode: str) -> str:
-    """The router's --mode for a bench mode (push-whole and push-bind-MS are push routers)."""
-    return "push" if BOUND_LATE.fullmatch(mode) or mode == "push-whole" else mode
+    """The router's --mode for a bench mode (push-whole, push-bind-MS and push-cache are push
+    routers; the mono2 modes' router has no P, and sends each request whole to an instance)."""
+    if BOUND_LATE.fullmatch(mode) or mode == "push-whole" or mode.startswith("mono2"):
+        return "push"
+    return mode.removesuffix(CACHE_AWARE)
 
 
-def router_args(mode: str) -> tuple[str, ...]:
+def router_args(mode: str, server: ServerSettings | None = None, events: str | None = None) -> tuple[str, ...]:
+    """A mode's own router flags: its binding horizon; for a cache-aware mode, where it hears the
+    instances' KV events (``events``) and the tokenizer and block size it matches prompts with; for
+    the others, routing by load alone."""
     late = BOUND_LATE.fullmatch(mode)
-    return ("--bind-horizon-ms", late.group(1)) if late else ()
+    if late:
+        return ("--bind-horizon-ms", late.group(1), "--no-prefix-routing")
+    if mode.endswith(CACHE_AWARE):
+        assert server is not None and events is not None
+        return ("--kv-events-endpoint", events, "--tokenizer", server.model, "--block-size", str(server.block_size))
+    return ("--no-prefix-routing",)
 REFERENCE = "vllm-pull"  # vLLM's NixlConnector: what the published 1,744 ms is measured with
 
 
@@ -71,6 +94,7 @@ class ServerSettings:
     extra: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--tensor-parallel-size", "8")
     dtype: str = "auto"
     decodes: int = 1  # D's per disaggregated topology
+    prefills: int = 1  # P's per disaggregated topology (ours)
     router_extra: tuple[str, ...] = ()  # more `neuron-disagg router` flags, for every router alike
 
     def kwargs(self) -> dict:
@@ -84,12 +108,13 @@ class Running:
 
     urls: dict[str, str]
     instances: list[ServerProcess]
-    prefill: ServerProcess | None = None
+    prefill: ServerProcess | None = None  # the first of ``prefills``
     decodes: list[ServerProcess] = field(default_factory=list)
     timeline_dir: str | None = None  # behind a router: its marks in every mode, the instances' in ours
     routers: dict[str, ServerProcess] = field(default_factory=dict)  # mode -> its router, where it has one
     reniced: dict[str, int] = field(default_factory=dict)  # instance -> spinning threads reniced
     idle_cpu: dict[str, float] = field(default_factory=dict)  # instance -> % of a core with nothing to do
+    prefills: list[ServerProcess] = field(default_factory=list)  # every P, ``prefill`` first
 
 
 def groups(modes: list[str]) -> list[tuple[str, ...]]:
@@ -97,9 +122,12 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if "monolithic" in modes:
         out.append(("monolithic",))
-    ours = tuple(m for m in modes if m in ("push", "pull") or BOUND_LATE.fullmatch(m))
+    ours = tuple(m for m in modes if m in ("push", "pull", "push-cache", "pull-cache") or BOUND_LATE.fullmatch(m))
     if ours:
         out.append(ours)
+    mono2 = tuple(m for m in ("mono2", "mono2-cache") if m in modes)
+    if mono2:
+        out.append(mono2)
     if "push-whole" in modes:
         out.append(("push-whole",))
     out += [(m,) for m in ("vllm-push", "vllm-pull") if m in modes]
@@ -149,8 +177,12 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                         block_size=server.block_size, dtype=server.dtype,
                         prefix_caching="--no-enable-prefix-caching" not in server.extra)
         return Running({m: ray.app_url(m.removeprefix("ray-")) for m in group}, [ray])
-    p_side = free_port()
     marks = tempfile.mkdtemp(prefix="neuron-disagg-bench-timeline-")
+    # Where a cache-aware mode's router hears the instances' KV events (they publish there all along).
+    events = f"127.0.0.1:{free_port()}" if any(m.endswith(CACHE_AWARE) for m in group) else None
+    if group[0].startswith("mono2"):
+        return _two_monolithic(group, server, marks, events)
+    p_side = free_port()
     if group[0].startswith("vllm-"):  # the router marks its part; vLLM's instances mark nothing
         mode = group[0]
         keeps_pinning = keep_affinity.server_env()  # else vLLM's NIXL workers both move to core 1
@@ -161,18 +193,39 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                    timeline_dir=marks, extra_args=server.router_extra)
         return Running({mode: r.url}, [p, *ds, r], p, ds, marks, routers={mode: r})
     secret = secrets.token_hex(32)
-    overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {})}
-    p = disaggregated("prefill", server.model, free_port(), p_side, "0", secret, overrides, **kw)
+    overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {}),
+                 **({"kv_events_endpoint": events} if events else {})}
+    sides = [p_side, *(free_port() for _ in range(server.prefills - 1))]
+    ps = _named([disaggregated("prefill", server.model, free_port(), side, "0", secret, overrides, **kw) for side in sides])
     ds = _named([disaggregated("decode", server.model, free_port(), free_port(), "1", secret, overrides, **kw)
                  for _ in range(server.decodes)])
-    routers = {m: router([(p.url, p_side)], [d.url for d in ds], free_port(), router_mode(m), timeline_dir=marks,
-                         secret=secret, extra_args=(*router_args(m), *server.router_extra)) for m in group}
-    return Running({m: r.url for m, r in routers.items()}, [p, *ds, *routers.values()], p, ds, marks,
+    routers = {m: router([(p.url, side) for p, side in zip(ps, sides, strict=True)], [d.url for d in ds], free_port(), router_mode(m),
+                         timeline_dir=marks, secret=secret, extra_args=(*router_args(m, server, events), *server.router_extra))
+               for m in group}
+    return Running({m: r.url for m, r in routers.items()}, [*ps, *ds, *routers.values()], ps[0], ds, marks,
+                   routers=routers, prefills=ps)
+
+
+def _two_monolithic(group: tuple[str, ...], server: ServerSettings, marks: str, events: str | None) -> Running:
+    """The mono2 modes: a plain vLLM on each core, publishing its KV events where ``events`` says,
+    behind a router with no P (it sends each request whole to one of them, which it reads as D's)."""
+    monos = []
+    for i in range(2):
+        port = free_port()
+        published = () if events is None else (
+            "--kv-events-config", json.dumps(kv_events_config(Config(kv_events_endpoint=events), vllm_args(port))))
+        mono = monolithic(server.model, port, str(i), **{**server.kwargs(), "extra": (*server.extra, *published)})
+        mono.name = f"monolithic{i}"
+        monos.append(mono)
+    routers = {m: router([], [mono.url for mono in monos], free_port(), router_mode(m), timeline_dir=marks,
+                         secret=secrets.token_hex(32), extra_args=(*router_args(m, server, events), *server.router_extra))
+               for m in group}
+    return Running({m: r.url for m, r in routers.items()}, [*monos, *routers.values()], None, monos, marks,
                    routers=routers)
 
 
 def _named(decodes: list[ServerProcess]) -> list[ServerProcess]:
-    """Several D's: each named by its place (its log file and the bench's notes tell them apart)."""
+    """Several P's or D's: each named by its place (its log file and the bench's notes tell them apart)."""
     if len(decodes) > 1:
         for i, d in enumerate(decodes):
             d.name = f"{d.name}{i}"

@@ -174,12 +174,14 @@ async def _passthrough(request: web.Request) -> web.Response:
 
 # -- router endpoints -------------------------------------------------------------------------------
 async def _health(request: web.Request) -> web.Response:
-    pool = request.app[STATE].pool
-    counts = {role: len(pool.healthy(role)) for role in ROLES}
-    ok = all(counts.values())
-    return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable",
-                                      "healthy_prefill": counts["prefill"],
-                                      "healthy_decode": counts["decode"]})
+    """200 while requests can be served: "ok", or "degraded" with no P where D's compute requests whole
+    (``decode_fallback``); 503 otherwise."""
+    state = request.app[STATE]
+    counts = {role: len(state.pool.healthy(role)) for role in ROLES}
+    status = ("unavailable" if not counts["decode"] else "ok" if counts["prefill"]
+              else "degraded" if state.settings.decode_fallback else "unavailable")
+    return _json(503 if status == "unavailable" else 200, {"status": status, "healthy_prefill": counts["prefill"],
+                                                           "healthy_decode": counts["decode"]})
 
 
 async def _metrics(request: web.Request) -> web.Response:

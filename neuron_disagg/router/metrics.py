@@ -55,6 +55,7 @@ class RouterMetrics:
                                           buckets=_ERROR_BUCKETS_S, registry=r)
         self.decode_legs = Counter(p + "decode_legs", "D legs sent, by D, counted as each is bound", ["url"],
                                    registry=r)
+        self.prefill_legs = Counter(p + "prefill_legs", "P legs sent, by P", ["url"], registry=r)
         self.decode_imbalance = Histogram(p + "decode_imbalance", "The most running sequences on a healthy D "
                                           "over the mean, as a D leg goes out (1: even)", ["mode"],
                                           buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
@@ -92,10 +93,11 @@ class RouterMetrics:
                 gauge.remove(inst.role, inst.url)
             except KeyError:
                 pass
-        try:
-            (self.prompt_tokens if inst.role == "prefill" else self.decode_legs).remove(inst.url)
-        except KeyError:
-            pass
+        for series in ((self.prompt_tokens, self.prefill_legs) if inst.role == "prefill" else (self.decode_legs,)):
+            try:
+                series.remove(inst.url)
+            except KeyError:
+                pass
 
 
 class _AffinityCollector(Collector):

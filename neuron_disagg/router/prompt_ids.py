@@ -30,6 +30,11 @@ class PromptIds:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot load the tokenizer {tokenizer!r}: {exc}") from None
 
+    def tokenizes(self, req: ClientRequest) -> bool:
+        """Whether ``ids`` would run the tokenizer (text to encode), rather than answer at once."""
+        return self._tokenizer is not None and (req.path.endswith("/chat/completions")
+                                                or isinstance(req.body.get("prompt"), str))
+
     def ids(self, req: ClientRequest) -> list[int] | None:
         body = req.body
         if body.get("cache_salt"):  # salted blocks hash apart from everyone's: nothing to match

@@ -13,7 +13,7 @@ from neuron_disagg.bench.load import (ConnectorReading, Load, RunResult, bench_s
                                       descriptors_per_transfer, heavy_tailed_dataset, mean_imbalance, parse_router,
                                       pool_churn_prompts)
 from neuron_disagg.bench.preset import LIGHT, PRESETS, SEED, SHIFT, evaluate, rates_for
-from neuron_disagg.bench.topology import groups, router_args, router_mode
+from neuron_disagg.bench.topology import ServerSettings, groups, router_args, router_mode
 from neuron_disagg.demo import tiny_model
 
 
@@ -116,7 +116,7 @@ def test_a_run_under_a_preset_reports_its_goals_descriptors_and_p_busy():
     assert "## Goals of `--preset seed`" in md and "| push TTFT p50 <= 0.5x vllm-pull | 1.0 | 512 | 0.38 | 0.50 | yes |" in md
     assert "P's prefill time alone (one request at a time, before any load): 1000 ms at 512 tokens" in md
     assert "NOT MET" in report.goals_text(goals, "seed") or "no data" in report.goals_text(goals, "seed")
-    assert set(PRESETS) == {"seed", "seed-long", "light", "shift"}
+    assert set(PRESETS) == {"seed", "seed-long", "light", "shift", "multiturn", "hot-prefix"}
 
 
 def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
@@ -143,8 +143,9 @@ def test_every_routed_mode_gets_its_ttft_split_at_ps_answer(tmp_path):
 def test_late_binding_modes_are_push_routers_with_a_horizon_on_the_same_p_and_ds():
     args = cli.parse(["--modes", "push,push-bind-0,push-bind-250,pull,vllm-pull"])
     assert groups(args.modes) == [("push", "push-bind-0", "push-bind-250", "pull"), ("vllm-pull",)]
-    assert (router_mode("push-bind-250"), router_args("push-bind-250")) == ("push", ("--bind-horizon-ms", "250"))
-    assert router_args("push") == () and router_mode("push-whole") == "push"
+    assert (router_mode("push-bind-250"), router_args("push-bind-250")) == (
+        "push", ("--bind-horizon-ms", "250", "--no-prefix-routing"))
+    assert router_args("push") == ("--no-prefix-routing",) and router_mode("push-whole") == "push"
     for bad in ("push-bind-", "push-bind-soon", "pushbind-0"):
         with pytest.raises(SystemExit):
             cli.parse(["--modes", bad])
@@ -205,3 +206,32 @@ def test_shift_goals_compare_late_binding_with_push_at_arrival_pull_and_its_own_
     assert goals["push-bind-100 TTFT p99 <= 1x pull"]["met"] is None  # not run: said, not guessed
     header, *rows = report.table(results)
     assert rows[3][header.index("to stopped D")] == "0" and rows[0][header.index("TPOT p99 ms")] == "50.0"
+
+
+# -- the multi-turn presets -----------------------------------------------------------------------
+def test_cache_aware_modes_share_the_load_only_modes_instances_and_route_by_what_they_hold():
+    args = cli.parse(["--preset", "multiturn"])
+    assert groups(args.modes) == [("push", "push-cache", "pull", "pull-cache"), ("mono2", "mono2-cache")]
+    server = ServerSettings("/models/tiny", block_size=32)
+    assert router_args("pull-cache", server, "127.0.0.1:5570") == (
+        "--kv-events-endpoint", "127.0.0.1:5570", "--tokenizer", "/models/tiny", "--block-size", "32")
+    assert [router_mode(m) for m in ("push-cache", "pull-cache", "mono2", "mono2-cache")] == ["push", "pull", "push", "push"]
+    assert (args.prompts, args.prefills, args.decodes, args.conversations) == (54, 2, 2, 9)
+
+
+def test_conversations_turns_extend_the_previous_prompt_and_each_seed_shares_nothing_with_another(tmp_path):
+    from neuron_disagg.bench.load import Conversations, conversation_dataset
+    model = str(tiny_model.build())
+    workload = Conversations(3, 3, 64, 16, 16)
+    rows = [json.loads(line) for line in open(conversation_dataset(model, workload, tmp_path / "a.jsonl", seed=1))]
+    assert len(rows) == workload.requests and all(r["output_tokens"] == 16 for r in rows)
+    for c in range(3):  # turn t of conversation c is row t * 3 + c, and extends turn t - 1
+        turns = [rows[t * 3 + c]["prompt"] for t in range(3)]
+        assert turns[1].startswith(turns[0]) and turns[2].startswith(turns[1])
+    system = rows[0]["prompt"].split("\n")[0]
+    assert all(r["prompt"].startswith(system) for r in rows)
+    other = [json.loads(line) for line in open(conversation_dataset(model, workload, tmp_path / "b.jsonl", seed=2))]
+    assert not other[0]["prompt"].startswith(system[:40])
+    hot = Conversations(3, 3, 64, 16, 16, hot_prefix=True)
+    rows = [json.loads(line) for line in open(conversation_dataset(model, hot, tmp_path / "c.jsonl", seed=1))]
+    assert len({r["prompt"].split("\n")[0] for r in rows}) == 1 and all(r["prompt"].count("\n") == 1 for r in rows)

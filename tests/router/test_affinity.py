@@ -211,3 +211,24 @@ async def test_without_prefix_routing_a_conversations_turns_go_by_load_alone():
         for prompt in turns(4):
             await c.post("/v1/completions", completion(prompt))
         assert all(len(fake.requests) == 2 for fake in c.prefills)  # idle P's take turns
+
+
+def test_prompt_ids_are_the_ids_given_or_the_text_tokenized_and_none_where_the_router_cannot_know_them():
+    from neuron_disagg.demo import tiny_model
+    from neuron_disagg.router.prompt_ids import PromptIds
+    from neuron_disagg.router.requests import parse_client_request
+
+    def req(path: str, **body):
+        return parse_client_request(path, msgspec.json.encode({"model": "m", **body}), "push")
+
+    ids = PromptIds(str(tiny_model.build()))
+    assert ids.ids(req("/v1/completions", prompt=[5, 6, 7])) == [5, 6, 7]
+    text = ids.ids(req("/v1/completions", prompt="river mountain ocean"))
+    assert text and all(type(t) is int for t in text)
+    chat = ids.ids(req("/v1/chat/completions", messages=[{"role": "user", "content": "river mountain ocean"}]))
+    assert chat and chat != text  # the template's role and generation prompt around it
+    for unknown in (req("/v1/completions", prompt=["a", "b"]), req("/v1/completions", prompt="a", cache_salt="s")):
+        assert ids.ids(unknown) is None
+    assert PromptIds().ids(req("/v1/completions", prompt="river")) is None  # no tokenizer: text unknown
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        PromptIds("/nonexistent/tokenizer")

@@ -113,6 +113,17 @@ async def test_without_decode_fallback_no_healthy_prefill_is_a_503():
         assert status == 503, answer
 
 
+async def test_health_says_degraded_with_no_prefill_while_decodes_compute_requests_whole():
+    for fallback, want in ((True, (200, "degraded")), (False, (503, "unavailable"))):
+        async with cluster(prefill=1, decode=1, mode="push", decode_fallback=fallback) as c:
+            c.router.pool.set_health(c.instance(c.prefills[0]), False)
+            async with c.client.get(c.url + "/health") as resp:
+                assert (resp.status, (await resp.json())["status"]) == want
+            c.router.pool.set_health(c.instance(c.decodes[0]), False)
+            async with c.client.get(c.url + "/health") as resp:
+                assert resp.status == 503
+
+
 async def test_prefill_timeout_is_a_504_without_retry_and_closes_the_decode_leg():
     async with cluster(prefill=2, decode=1, mode="push", prefill_timeout_s=0.3) as c:
         c.prefills[0].hang = True
