@@ -122,9 +122,16 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if "monolithic" in modes:
         out.append(("monolithic",))
-    ours = tuple(m for m in modes if m in ("push", "pull", "push-cache", "pull-cache") or BOUND_LATE.fullmatch(m))
-    if ours:
-        out.append(ours)
+    ours = [m for m in modes if m in ("push", "pull", "push-cache", "pull-cache") or BOUND_LATE.fullmatch(m)]
+    # One cache-aware mode per topology: its instances publish their KV events to one endpoint,
+    # which one router binds. A second one gets P's and D's of its own, beside its load-only mode.
+    apart: list[tuple[str, ...]] = []
+    for cached in [m for m in ours if m.endswith(CACHE_AWARE)][1:]:
+        base = cached.removesuffix(CACHE_AWARE)
+        alone = [m for m in ours if m not in (cached, base)]
+        apart.append((base, cached) if base in ours and alone else (cached,))
+        ours = [m for m in ours if m not in apart[-1]]
+    out += [group for group in (tuple(ours), *apart) if group]
     mono2 = tuple(m for m in ("mono2", "mono2-cache") if m in modes)
     if mono2:
         out.append(mono2)

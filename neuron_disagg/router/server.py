@@ -52,6 +52,13 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     """Lives as long as the app: one pooled client session for every leg, and the health loop."""
     state = app[STATE]
     s = state.settings
+    affinity = Affinity(s.block_size, events_stale_s=s.kv_events_stale_s, history_ttl_s=s.prefix_history_ttl_s)
+    listener = None
+    if s.kv_events_endpoint is not None:  # first: a taken port fails the start before anything else opens
+        listener = EventListener(s.kv_events_endpoint, affinity, lambda: {i.url for i in state.pool.all()})
+        listener.start()
+    state.metrics.watch(affinity, lambda: [i.url for i in state.pool.all()])
+    state.pool.on_remove = _also(state.pool.on_remove, lambda inst: affinity.forget(inst.url))
     # No total timeout on the sessions: each leg sets its own (a stream may last many minutes).
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s)
     # Idle connections are let go before the instance's own keep-alive timeout ends them: a request
@@ -64,13 +71,6 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(session, fresh)
     state.session = session
     withdrawals = Withdrawals(state.codec) if state.codec is not None else None
-    affinity = Affinity(s.block_size, events_stale_s=s.kv_events_stale_s, history_ttl_s=s.prefix_history_ttl_s)
-    state.metrics.watch(affinity, lambda: [i.url for i in state.pool.all()])
-    state.pool.on_remove = _also(state.pool.on_remove, lambda inst: affinity.forget(inst.url))
-    listener = None
-    if s.kv_events_endpoint is not None:
-        listener = EventListener(s.kv_events_endpoint, affinity, lambda: {i.url for i in state.pool.all()})
-        listener.start()
     state.flows = Flows(state.pool, upstream, s, state.metrics, state.signer, withdrawals, affinity,
                         app[PROMPT_IDS])
     state.health = HealthMonitor(state.pool, session, s)
@@ -79,6 +79,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     if wrong:  # every leg sent there would be computed as a plain request: refuse to start
         await session.close()
         await fresh.close()
+        if listener is not None:
+            await listener.close()
         raise RoleMismatch("; ".join(wrong))
     health_task = asyncio.create_task(state.health.run(), name="router-health")
     try:

@@ -209,9 +209,12 @@ def test_shift_goals_compare_late_binding_with_push_at_arrival_pull_and_its_own_
 
 
 # -- the multi-turn presets -----------------------------------------------------------------------
-def test_cache_aware_modes_share_the_load_only_modes_instances_and_route_by_what_they_hold():
+def test_each_cache_aware_mode_shares_its_load_only_modes_instances_and_has_them_to_itself():
+    """The instances publish their KV events to one endpoint, which one router binds."""
     args = cli.parse(["--preset", "multiturn"])
-    assert groups(args.modes) == [("push", "push-cache", "pull", "pull-cache"), ("mono2", "mono2-cache")]
+    assert groups(args.modes) == [("push", "push-cache"), ("pull", "pull-cache"), ("mono2", "mono2-cache")]
+    assert groups(["push", "pull", "push-cache"]) == [("push", "pull", "push-cache")]
+    assert groups(["push-cache", "pull-cache"]) == [("push-cache",), ("pull-cache",)]
     server = ServerSettings("/models/tiny", block_size=32)
     assert router_args("pull-cache", server, "127.0.0.1:5570") == (
         "--kv-events-endpoint", "127.0.0.1:5570", "--tokenizer", "/models/tiny", "--block-size", "32")
