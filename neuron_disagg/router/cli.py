@@ -26,7 +26,7 @@ _TUNABLES = ("connect_timeout_s", "prefill_timeout_s", "decode_first_byte_timeou
              "decode_idle_timeout_s", "health_interval_s", "health_timeout_s",
              "health_failures_to_eject", "metrics_stale_s", "decode_silent_s", "kv_cache_full_fraction",
              "prefill_retries", "max_body_bytes", "upstream_connection_limit", "upstream_keepalive_s",
-             "affinity_epsilon", "block_size", "kv_events_stale_s", "prefix_history_ttl_s")
+             "affinity_epsilon", "affinity_window_s", "block_size", "kv_events_stale_s", "prefix_history_ttl_s")
 
 
 def _horizon(value: str) -> int | str:

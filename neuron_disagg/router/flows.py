@@ -285,7 +285,8 @@ class Flows:
         held = {inst: affinity.hit_blocks(inst.url, keys, now) * affinity.block_size
                 for inst in self.pool.all() if inst.healthy}
         ctx.prefix_keys = keys
-        ctx.hits = Hits(len(ids), lambda inst: held.get(inst, 0), self.settings.affinity_epsilon)
+        ctx.hits = Hits(len(ids), lambda inst: held.get(inst, 0), self.settings.affinity_epsilon,
+                        self.settings.affinity_window_s)
         self.metrics.affinity_seconds.observe(time.perf_counter() - started)
 
     def _pick(self, role: Role, ctx: RequestContext, exclude: set[Instance] | None = None) -> Instance:

@@ -8,6 +8,7 @@ on each one for the length of a leg, which is what the load-based choice counts.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ class Instance:
     unanswered_since: float | None = None
     streams: int = 0
     last_chunk_at: float = 0.0
+    picked_at: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))  # when each leg was sent here
+
+    def picked_within(self, now: float, window_s: float) -> int:
+        """Legs sent here in the last ``window_s``: its share of the traffic, open legs or not."""
+        while self.picked_at and self.picked_at[0] < now - window_s:
+            self.picked_at.popleft()
+        return len(self.picked_at)
 
     def silent(self, now: float, after_s: float) -> bool:
         """Asked and not answering for ``after_s``: a health probe unanswered that long, or streams

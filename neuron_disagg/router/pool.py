@@ -64,10 +64,11 @@ class InstancePool:
             raise NoInstance(f"no {role} instance available ({why}; {known} known)",
                              code=f"no_{role}_instance")
         if role == "prefill":
-            chosen = pick_prefill(candidates, hits)
+            chosen = pick_prefill(candidates, hits, now)
         else:
             chosen = pick_decode(candidates, now, metrics_stale_s, kv_cache_full_fraction, silent_s, hits)
         chosen.last_picked = next(self._picks)
+        chosen.picked_at.append(now)
         return chosen
 
     def set_health(self, inst: Instance, healthy: bool) -> bool:

@@ -5,9 +5,11 @@ Called by ``InstancePool.pick`` with the healthy candidates and, where the route
 counters, so tests can check the choice without servers.
 
 What an instance holds may pull a leg to it only while that keeps it within ``(1 + epsilon)`` times
-the mean load, counting the leg (bounded loads, as in consistent hashing): one hot prefix then
-fills its holder to the bound and spills to the next, which comes to hold it too. Without hits the
-choice is the load-only one.
+the mean load, counting the leg (bounded loads, as in consistent hashing). The load is the larger
+of what runs there now and the legs sent there within ``window_s``: at light load nothing runs for
+long, and a bound on what runs alone would let one hot prefix take every request. With both, a hot
+prefix fills its holder to the bound and spills to the next, which comes to hold it too. Without
+hits the choice is the load-only one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Hits:
     tokens: int
     held: Callable[[Instance], int]
     epsilon: float
+    window_s: float = 30.0
 
 
 def within_bound(candidates: list[Instance], load: Callable[[Instance], float], epsilon: float) -> set[Instance]:
@@ -37,14 +40,14 @@ def within_bound(candidates: list[Instance], load: Callable[[Instance], float], 
     return {i for i in candidates if load(i) + 1 <= cap}
 
 
-def pick_prefill(candidates: list[Instance], hits: Hits | None = None) -> Instance:
+def pick_prefill(candidates: list[Instance], hits: Hits | None = None, now: float = 0.0) -> Instance:
     """P's cost is prefill compute, which grows with the prompt tokens it must compute: pick the P
     with the fewest such tokens outstanding, this prompt's not held there included, among those
     within the load bound; then the fewest legs, then the one picked longest ago (so equal
     instances take turns)."""
     if hits is None:
         return min(candidates, key=lambda i: (i.prompt_tokens, i.in_flight, i.last_picked))
-    bounded = within_bound(candidates, lambda i: i.in_flight, hits.epsilon)
+    bounded = within_bound(candidates, lambda i: max(i.in_flight, i.picked_within(now, hits.window_s)), hits.epsilon)
     return min(candidates, key=lambda i: (i not in bounded, i.prompt_tokens + hits.tokens - hits.held(i),
                                           i.in_flight, i.last_picked))
 
@@ -66,8 +69,9 @@ def pick_decode(candidates: list[Instance], now: float, metrics_stale_s: float,
     wait for blocks). Then, within the load bound, the one holding most of the prompt (its transfer
     is only the rest, and so are the blocks it allocates); then the fewest running sequences, the
     lowest KV usage, the one picked longest ago."""
-    bounded = (set(candidates) if hits is None else
-               within_bound(candidates, lambda i: decode_running(i, now, metrics_stale_s), hits.epsilon))
+    bounded = (set(candidates) if hits is None else within_bound(
+        candidates, lambda i: max(decode_running(i, now, metrics_stale_s), i.picked_within(now, hits.window_s)),
+        hits.epsilon))
 
     def key(inst: Instance) -> tuple[bool, bool, bool, int, float, float, int]:
         engine = inst.engine

@@ -68,6 +68,8 @@ class RouterSettings(BaseModel):
                                   "sent as token ids are matched")
     kv_events_endpoint: str | None = Field(None, min_length=3, description="HOST:PORT where this router listens "
                                            "for the instances' KV events (the config's kv_events_endpoint)")
+    affinity_window_s: float = Field(30.0, gt=0, le=3600, description="an instance's load, for that bound, counts "
+                                     "the legs sent to it this long back as well as those it runs now")
     block_size: int = Field(16, ge=1, le=4096, description="the instances' KV block size (vLLM's --block-size), "
                             "which their KV events must carry")
     kv_events_stale_s: float = Field(10.0, gt=0, le=3600, description="an instance whose legs keep ending this "

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from .vllm_cluster import BLOCK_SIZE, body, explained, metric, prompt, wait_for
+from .vllm_cluster import BLOCK_SIZE, body, explained, metric, prompt, reference, run, wait_for
 
 
 def router_series(routed, name: str, **labels: str) -> float:
@@ -18,6 +18,11 @@ def router_series(routed, name: str, **labels: str) -> float:
         if line.startswith(f"neuron_disagg_router_{name}{{{want}}} "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def _reference(cluster, text: str, max_tokens: int) -> str:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await reference(cluster, client, text, max_tokens)
 
 
 def vllm_hits(instance) -> float:
@@ -41,7 +46,8 @@ def events_heard(routed, instance) -> None:
 def test_the_routers_match_is_vllms_own_prefix_cache_hit_on_p_and_on_d(cluster, routed, mode):
     """A conversation's second turn (the first turn's prompt and more) is matched by the router, from
     the events P and D published after the first, exactly as far as vLLM's own prefix cache hits it:
-    the router tokenizes and chains as vLLM does (a different tokenization or block chain fails here)."""
+    the router tokenizes and chains as vLLM does (a different tokenization or block chain fails here).
+    The answer is monolithic's."""
     seed = 300 + ["push", "pull"].index(mode)
     first = prompt(240, seed)
     second = first + " and then " + prompt(60, seed + 50)
@@ -57,7 +63,7 @@ def test_the_routers_match_is_vllms_own_prefix_cache_hit_on_p_and_on_d(cluster, 
                      >= blocks[inst.url] + tokens // BLOCK_SIZE - 1, 20, f"{inst.name}'s KV events at the router")
         before = {role: router_series(routed, "prefix_held_tokens_total", role=role) for role in ("prefill", "decode")}
         hits = {inst.name: vllm_hits(inst) for inst in (cluster.p, cluster.d)}
-        r = httpx.post(f"{routed.url}/v1/completions", json=body(second, 4, disagg_mode=mode), timeout=120)
+        r = httpx.post(f"{routed.url}/v1/completions", json=body(second, 8, disagg_mode=mode), timeout=120)
         assert r.status_code == 200, r.text
         matched = {role: router_series(routed, "prefix_held_tokens_total", role=role) - before[role]
                    for role in ("prefill", "decode")}
@@ -66,3 +72,5 @@ def test_the_routers_match_is_vllms_own_prefix_cache_hit_on_p_and_on_d(cluster, 
             wait_for(lambda: vllm_hits(inst) - hits[inst.name] == matched[role], 10,
                      f"{inst.name}'s own prefix cache hit ({vllm_hits(inst) - hits[inst.name]:.0f} tokens) "
                      f"equal to the router's match ({matched[role]:.0f})")
+        # P computed and D registered only what they lacked: still monolithic's answer
+        assert r.json()["choices"][0]["text"] == run(_reference(cluster, second, 8))

@@ -80,6 +80,24 @@ def test_one_hot_prefix_never_takes_an_instance_above_the_bound(n, epsilon, legs
     assert max(loads) <= (1 + epsilon) * (sum(loads) / n) + 1
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_at_light_load_one_hot_prefix_takes_no_more_than_its_bounded_share_of_the_legs(role):
+    """Each leg ends before the next arrives (nothing runs for long), every prompt holds the same
+    prefix, and the instance first picked holds it: the window of recent legs is what bounds it."""
+    from neuron_disagg.router.pool import InstancePool
+
+    pool = InstancePool()
+    members = [pool.add(inst) for inst in instances(role, 2)]
+    holders: set[Instance] = set()
+    for n in range(120):
+        hits = Hits(1000, lambda i: 992 if i in holders else 0, epsilon=0.25, window_s=30.0)
+        chosen = pool.pick(role, 1000.0 + n * 0.5, hits=hits)  # 2 legs a second, each over at once
+        holders.add(chosen)
+    legs = [len(i.picked_at) for i in members]
+    assert max(legs) / (sum(legs) / 2) <= 1.3, legs
+    assert len(holders) == 2  # it spilled, and the second came to hold it too
+
+
 # -- where the router learns it -------------------------------------------------------------------
 def test_an_instance_that_publishes_is_matched_by_its_events_and_one_that_stops_while_working_by_history():
     url, now = "http://10.0.0.1:8000", 100.0
@@ -191,8 +209,8 @@ def turns(n: int) -> list[list[int]]:
 
 async def test_a_conversations_turns_follow_its_first_turn_to_the_same_p_and_d_without_events():
     async with cluster(prefill=2, decode=2, block_size=16) as c:
-        for conversation in range(2):
-            for prompt in turns(3):
+        for prompt in turns(3):  # turn by turn, the conversations interleaved
+            for conversation in range(2):
                 status, _, _ = await c.post("/v1/completions", completion([conversation] + prompt[1:]))
                 assert status == 200
         by_conversation: dict[int, set[str]] = {0: set(), 1: set()}
