@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +36,7 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from .arglists import positive_list
 from . import report
-from .load import (CPU, WALL, Conversations, Load, RunResult, churn, conversation_dataset, descriptors_per_transfer,
+from .load import (CPU, WALL, Conversations, Load, RunResult, churn, descriptors_per_transfer,
                    heavy_tailed_dataset, held_share, legs_imbalance, mean_imbalance, mean_step_us, pool_churn_prompts,
                    prefill_ms, read_connector, read_router, run, scratch_dir, step_quantile_us, thread_cpu_percent)
 from .preset import PRESETS, STOPPED, evaluate, rates_for
@@ -186,13 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n in args.input_lens} if args.heavy_tail else {}
 
     def load(rate: float, n: int) -> Load:
-        return Load(rate, n, args.output_len, args.prompts, args.burstiness, dataset=datasets.get(n))
-
-    def conversations(mode: str, tag: str) -> str:
-        """Conversations of their own for ``mode`` in one round's warm-up or run (``tag``)."""
-        assert workload is not None
-        name = f"{mode}-{tag}".replace(" ", "")
-        return conversation_dataset(model, workload, raw_dir / "conversations" / f"{name}.jsonl", zlib.crc32(name.encode()))
+        return Load(rate, n, args.output_len, args.prompts, args.burstiness, dataset=datasets.get(n), workload=workload)
 
     # With --p-busy the rates come from P's prefill time, measured on the first topology up.
     loads = [] if args.p_busy else [load(rate, n) for n in args.input_lens for rate in args.rates]
@@ -244,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = raw_dir / f"round-{round_index + 1}" if args.rounds > 1 else raw_dir
             first = round_index == 0
             return _measure(group, topo, loads, model, raw, warmup and first, progress, task,
-                            churn_prompts if first else 0, args.stop_decode_s,
-                            conversations if workload else None, f"round{round_index + 1}")
+                            churn_prompts if first else 0, args.stop_decode_s, f"round{round_index + 1}")
 
         if args.rounds > 1:
             progress.update(task, description="starting every topology")
@@ -294,27 +287,26 @@ def _measure_again(server, loads, model, raw_dir, warmup, progress, task) -> lis
 
 
 def _measure(group, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int = 0,
-             stop_decode_s: float = 0, workload: Callable[[str, str], str] | None = None,
-             tag: str = "") -> list[RunResult]:
+             stop_decode_s: float = 0, tag: str = "") -> list[RunResult]:
     out = []
     for mode in group:
         # The modes sharing these instances each have a router, which checks every instance as often
         # as the measured one: paused meanwhile, so P and D serve one router's checks, as alone.
         with _paused([r for m, r in topo.routers.items() if m != mode]):
             out += _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task,
-                                 churn_prompts if mode == group[0] else 0, stop_decode_s, workload, tag)
+                                 churn_prompts if mode == group[0] else 0, stop_decode_s, tag)
     return out
 
 
 def _measure_mode(mode, topo, loads, model, raw_dir, warmup, progress, task, churn_prompts: int,
-                  stop_decode_s: float, workload: Callable[[str, str], str] | None = None,
-                  tag: str = "") -> list[RunResult]:
+                  stop_decode_s: float, tag: str = "") -> list[RunResult]:
     out = []
     url = topo.urls[mode]
 
     def own(load: Load, what: str) -> Load:
-        """``load`` with this mode's own conversations (none shared with another mode or round)."""
-        return replace(load, dataset=workload(mode, f"{tag}-{what}")) if workload else load
+        """``load`` with conversations of this mode's own (none shared with another mode or round:
+        they run on the same instances, whose caches would hold each other's)."""
+        return replace(load, seed=zlib.crc32(f"{mode}/{tag}/{what}".encode())) if load.workload else load
 
     if churn_prompts:  # one churn per topology: its modes share P's and D's pools
         progress.update(task, description=f"{mode}: churning the block pools")

@@ -31,6 +31,7 @@ class Load:
     max_concurrency: int | None = None  # at most this many requests in flight (None: no limit)
     range_ratio: float = 0.0  # > 0: input and output lengths vary by this fraction either side
     dataset: str | None = None  # a JSONL of prompts and output lengths (``heavy_tailed_dataset``) instead of random
+    workload: Conversations | None = None  # conversations played turn by turn (``conversations.py``) instead
 
 
 @dataclass
@@ -123,9 +124,17 @@ def run(mode: str, url: str, tokenizer: str, load: Load, out_dir: Path,
         timeline_dir: str | None = None) -> RunResult:
     result = RunResult(mode, load.rate, load.input_len, load.output_len, load.prompts)
     started = time.time()
+    name = f"{mode}-rate{load.rate}-in{load.input_len}"
     try:
-        raw = bench_serve(url, tokenizer, load, out_dir, f"{mode}-rate{load.rate}-in{load.input_len}")
-    except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        if load.workload is not None:
+            from .conversations import converse
+
+            raw = converse(url, tokenizer, load.workload, load.rate, load.seed)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{name}.json").write_text(json.dumps(raw))
+        else:
+            raw = bench_serve(url, tokenizer, load, out_dir, name)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, httpx.HTTPError) as exc:
         result.error = str(exc)
         return result
     result.completed, result.failed = int(raw.get("completed", 0)), int(raw.get("failed", 0))
@@ -177,10 +186,10 @@ def heavy_tailed_dataset(tokenizer_dir: str, input_len: int, max_output: int, pr
 
 @dataclass(frozen=True)
 class Conversations:
-    """The multi-turn workload (``conversation_dataset``): ``conversations`` x ``turns`` requests, each
-    turn's prompt the previous prompt, an answer of ``answer_tokens`` and a new user message of
-    ``user_tokens``, all after one system prompt of ``system_tokens``. ``hot_prefix``: instead, every
-    request is the system prompt and a message of its own (one prefix for everything)."""
+    """The multi-turn workload (``conversations.py``): ``conversations`` x ``turns`` requests, each
+    turn's prompt the previous prompt, the model's answer to it (``answer_tokens``) and a new user
+    message of ``user_tokens``, all after one system prompt of ``system_tokens``. ``hot_prefix``:
+    instead, every request is the system prompt and a message of its own (one prefix for everything)."""
 
     conversations: int
     turns: int
@@ -196,41 +205,6 @@ class Conversations:
     @property
     def longest(self) -> int:
         return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
-
-
-def conversation_dataset(tokenizer_dir: str, workload: Conversations, path: Path, seed: int) -> str:
-    """A JSONL for ``vllm bench serve --dataset-name custom`` in the order sent: turn 1 of every
-    conversation, then turn 2 of every one..., so that a conversation's turns are ``conversations``
-    requests apart and each turn's KV is stored before the next arrives. The text is random token
-    ids, seeded: each seed's prompts share nothing with another's (modes and rounds on the same
-    instances must not hit each other's blocks). An answer in the history is text of its own, not
-    what the model said (``vllm bench serve`` sends fixed prompts): the system prompt, the earlier
-    user messages and the earlier answers' places are what a turn shares with the one before."""
-    import random
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = min(tokenizer.vocab_size, 30000)
-
-    def text(tokens: int) -> str:
-        ids = [t for t in (rng.randrange(vocab // 20, vocab) for _ in range(tokens)) if t not in special]
-        return tokenizer.decode(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:tokens])
-
-    system = text(workload.system_tokens)
-    histories = [system] * workload.conversations
-    lines = []
-    for _ in range(workload.turns):
-        for c in range(workload.conversations):
-            prompt = histories[c] + "\n" + text(workload.user_tokens)
-            lines.append(json.dumps({"prompt": prompt, "output_tokens": workload.answer_tokens}))
-            if not workload.hot_prefix:
-                histories[c] = prompt + "\n" + text(workload.answer_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 @dataclass

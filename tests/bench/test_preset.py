@@ -5,6 +5,7 @@ from /metrics, and the goals judged from a run's results."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -222,19 +223,60 @@ def test_each_cache_aware_mode_shares_its_load_only_modes_instances_and_has_them
     assert (args.prompts, args.prefills, args.decodes, args.conversations) == (54, 2, 2, 9)
 
 
-def test_conversations_turns_extend_the_previous_prompt_and_each_seed_shares_nothing_with_another(tmp_path):
-    from neuron_disagg.bench.load import Conversations, conversation_dataset
+def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_for_it():
+    """``converse`` against a server that answers each prompt with text naming it: turn t + 1's prompt
+    is turn t's, its answer and a new message, and is sent only after that answer ended."""
+    import asyncio
+
+    from aiohttp import web
+
+    from neuron_disagg.bench.conversations import Script, _converse
+    from neuron_disagg.bench.load import Conversations
+
+    seen: list[tuple[str, float, float]] = []  # prompt, when asked, when answered
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        asked = time.monotonic()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(0.01)
+            chunk = {"choices": [{"text": f" a{len(seen)}.{i}"}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        seen.append((body["prompt"], asked, time.monotonic()))
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            plan = Script("SYSTEM", [[f"u{c}.{t}" for t in range(3)] for c in range(2)])
+            return await _converse(url, plan, Conversations(2, 3, 8, 4, 3), rate=50.0, seed=3)
+        finally:
+            await runner.cleanup()
+
+    turns = asyncio.run(main())
+    assert len(turns) == 6 and all(t.ttft_s and t.tpot_s and t.answer.count(" a") == 3 for t in turns)
+    for c in range(2):
+        mine = [(p, asked, answered) for p, asked, answered in seen if f"u{c}.0" in p]
+        assert [p.count("\n") for p, _, _ in mine] == [1, 2, 3]
+        for (before, _, answered), (after, asked, _) in zip(mine, mine[1:], strict=False):
+            answer = next(t.answer for t in turns if after.startswith(before + t.answer + "\n"))
+            assert answer and asked >= answered  # closed loop: the answer is in, and came first
+
+
+def test_each_seed_scripts_conversations_that_share_nothing_with_another_seeds():
+    from neuron_disagg.bench.conversations import script
+    from neuron_disagg.bench.load import Conversations
     model = str(tiny_model.build())
-    workload = Conversations(3, 3, 64, 16, 16)
-    rows = [json.loads(line) for line in open(conversation_dataset(model, workload, tmp_path / "a.jsonl", seed=1))]
-    assert len(rows) == workload.requests and all(r["output_tokens"] == 16 for r in rows)
-    for c in range(3):  # turn t of conversation c is row t * 3 + c, and extends turn t - 1
-        turns = [rows[t * 3 + c]["prompt"] for t in range(3)]
-        assert turns[1].startswith(turns[0]) and turns[2].startswith(turns[1])
-    system = rows[0]["prompt"].split("\n")[0]
-    assert all(r["prompt"].startswith(system) for r in rows)
-    other = [json.loads(line) for line in open(conversation_dataset(model, workload, tmp_path / "b.jsonl", seed=2))]
-    assert not other[0]["prompt"].startswith(system[:40])
-    hot = Conversations(3, 3, 64, 16, 16, hot_prefix=True)
-    rows = [json.loads(line) for line in open(conversation_dataset(model, hot, tmp_path / "c.jsonl", seed=1))]
-    assert len({r["prompt"].split("\n")[0] for r in rows}) == 1 and all(r["prompt"].count("\n") == 1 for r in rows)
+    one, other = (script(model, Conversations(3, 2, 64, 16, 16), seed) for seed in (1, 2))
+    assert len(one.users) == 3 and all(len(turns) == 2 for turns in one.users)
+    assert one.system and one.system[:40] != other.system[:40]
+    assert script(model, Conversations(3, 2, 64, 16, 16), 1) == one  # and the same seed, the same script
