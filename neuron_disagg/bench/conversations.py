@@ -3,11 +3,16 @@ the last, with that answer in the prompt (`vllm bench serve` sends fixed prompts
 turn there could not carry what the model said).
 
 A workload (``load.Conversations``) is scripted once per seed (``script``): one system prompt, and
-for every conversation and turn a user message, random token ids as text, so that each seed's
-prompts share nothing with another's. ``converse`` plays it against a URL: requests start on a
-Poisson schedule in turn order (turn 1 of every conversation, then turn 2...), a conversation's
-next turn no earlier than its last answer, streaming, greedy, every answer exactly
-``answer_tokens`` long; it returns the figures `vllm bench serve` saves, under the same keys.
+for every conversation and turn a user message, random token ids, so that each seed's prompts
+share nothing with another's. ``converse`` plays it against a URL: requests start on a Poisson
+schedule in turn order (turn 1 of every conversation, then turn 2...), a conversation's next turn
+no earlier than its last answer, streaming, greedy, every answer exactly ``answer_tokens`` long;
+it returns the figures `vllm bench serve` saves, under the same keys.
+
+Prompts go as token ids, and the answer comes back as the ids vLLM generated (``return_token_ids``):
+the tiny random model's text does not survive decoding and encoding again (its answers grew three-
+to fourfold and the conversations outran the context), where a trained model's mostly does. So the
+router here matches ids without tokenizing; what tokenizing costs it is measured apart.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from .load import Conversations
 
 @dataclass(frozen=True)
 class Script:
-    system: str
-    users: list[list[str]]  # [conversation][turn]
+    system: list[int]
+    users: list[list[list[int]]]  # [conversation][turn]: token ids
 
 
 def script(tokenizer_dir: str, workload: Conversations, seed: int) -> Script:
@@ -38,13 +43,16 @@ def script(tokenizer_dir: str, workload: Conversations, seed: int) -> Script:
     special = set(tokenizer.all_special_ids)
     vocab = min(tokenizer.vocab_size, 30000)
 
-    def text(tokens: int) -> str:
-        ids = [t for t in (rng.randrange(vocab // 20, vocab) for _ in range(tokens)) if t not in special]
-        return tokenizer.decode(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:tokens])
+    def ids(tokens: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < tokens:
+            t = rng.randrange(vocab // 20, vocab)
+            if t not in special:
+                out.append(t)
+        return out
 
-    system = text(workload.system_tokens)
-    return Script(system, [[text(workload.user_tokens) for _ in range(workload.turns)]
-                           for _ in range(workload.conversations)])
+    return Script(ids(workload.system_tokens), [[ids(workload.user_tokens) for _ in range(workload.turns)]
+                                                for _ in range(workload.conversations)])
 
 
 @dataclass
@@ -52,13 +60,13 @@ class _Turn:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2el_s: float | None = None
-    answer: str = ""
+    answer: list[int] | None = None
 
 
-async def _ask(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> _Turn:
+async def _ask(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> _Turn:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    turn, pieces, first, last, count = _Turn(), [], None, None, 0
+            "stream": True, "return_token_ids": True}
+    turn, answer, first, last, count = _Turn(), [], None, None, 0
     started = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -68,15 +76,15 @@ async def _ask(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) ->
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[len("data: "):]).get("choices") or [{}]
-            piece = choices[0].get("text") or ""
-            if piece:
+            ids = choices[0].get("token_ids") or []
+            if ids:
                 last = time.perf_counter()
                 first = first or last
                 count += 1
-                pieces.append(piece)
+                answer += ids
     if first is None or last is None:
         return turn
-    turn.ttft_s, turn.e2el_s, turn.answer = first - started, last - started, "".join(pieces)
+    turn.ttft_s, turn.e2el_s, turn.answer = first - started, last - started, answer
     turn.tpot_s = (last - first) / (count - 1) if count > 1 else None
     return turn
 
@@ -94,9 +102,11 @@ async def _converse(url: str, plan: Script, workload: Conversations, rate: float
         history = plan.system
         for t in range(workload.turns):
             await asyncio.sleep(max(0.0, began + starts[t * workload.conversations + c] - time.perf_counter()))
-            prompt = history + "\n" + plan.users[c][t]
+            prompt = history + plan.users[c][t]
             turn = await _ask(client, url, prompt, workload.answer_tokens)
             done.append(turn)
+            if turn.answer is None:
+                return  # the rest of a failed conversation is not sent: counted failed below
             if not workload.hot_prefix:
                 history = prompt + turn.answer
 
@@ -110,7 +120,7 @@ def converse(url: str, tokenizer_dir: str, workload: Conversations, rate: float,
     """Plays ``script(tokenizer_dir, workload, seed)`` against ``url`` at ``rate`` requests a second."""
     turns = asyncio.run(_converse(url, script(tokenizer_dir, workload, seed), workload, rate, seed))
     ok = [t for t in turns if t.ttft_s is not None]
-    out: dict = {"completed": len(ok), "failed": len(turns) - len(ok)}
+    out: dict = {"completed": len(ok), "failed": workload.requests - len(ok)}
     for name in ("ttft", "tpot", "e2el"):
         values = sorted(getattr(t, f"{name}_s") * 1e3 for t in ok if getattr(t, f"{name}_s") is not None)
         if values:

@@ -224,8 +224,8 @@ def test_each_cache_aware_mode_shares_its_load_only_modes_instances_and_has_them
 
 
 def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_for_it():
-    """``converse`` against a server that answers each prompt with text naming it: turn t + 1's prompt
-    is turn t's, its answer and a new message, and is sent only after that answer ended."""
+    """``converse`` against a server that answers with token ids of its own: turn t + 1's prompt is
+    turn t's, the ids it answered and a new message, sent only after that answer ended."""
     import asyncio
 
     from aiohttp import web
@@ -233,19 +233,19 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
     from neuron_disagg.bench.conversations import Script, _converse
     from neuron_disagg.bench.load import Conversations
 
-    seen: list[tuple[str, float, float]] = []  # prompt, when asked, when answered
+    seen: list[tuple[list[int], float, float, list[int]]] = []  # prompt, when asked, when answered, answer
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        asked = time.monotonic()
+        assert body["return_token_ids"] and body["stream"]
+        asked, answer = time.monotonic(), [9000 + 10 * len(seen) + i for i in range(body["max_tokens"])]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(body["max_tokens"]):
+        for token in answer:
             await asyncio.sleep(0.01)
-            chunk = {"choices": [{"text": f" a{len(seen)}.{i}"}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(f"data: {json.dumps({'choices': [{'text': 'x', 'token_ids': [token]}]})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
-        seen.append((body["prompt"], asked, time.monotonic()))
+        seen.append((body["prompt"], asked, time.monotonic(), answer))
         return resp
 
     async def main():
@@ -253,23 +253,22 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
-            plan = Script("SYSTEM", [[f"u{c}.{t}" for t in range(3)] for c in range(2)])
-            return await _converse(url, plan, Conversations(2, 3, 8, 4, 3), rate=50.0, seed=3)
+            plan = Script([1, 2, 3], [[[100 * c + t] for t in range(3)] for c in range(2)])
+            return await _converse(url, plan, Conversations(2, 3, 3, 1, 3), rate=50.0, seed=3)
         finally:
             await runner.cleanup()
 
     turns = asyncio.run(main())
-    assert len(turns) == 6 and all(t.ttft_s and t.tpot_s and t.answer.count(" a") == 3 for t in turns)
+    assert len(turns) == 6 and all(t.ttft_s and t.tpot_s and len(t.answer) == 3 for t in turns)
     for c in range(2):
-        mine = [(p, asked, answered) for p, asked, answered in seen if f"u{c}.0" in p]
-        assert [p.count("\n") for p, _, _ in mine] == [1, 2, 3]
-        for (before, _, answered), (after, asked, _) in zip(mine, mine[1:], strict=False):
-            answer = next(t.answer for t in turns if after.startswith(before + t.answer + "\n"))
-            assert answer and asked >= answered  # closed loop: the answer is in, and came first
+        mine = [entry for entry in seen if entry[0][3] == 100 * c]  # the conversation's first message
+        assert len(mine) == 3 and mine[0][0] == [1, 2, 3, 100 * c]
+        for (before, _, answered, answer), (after, asked, _, _) in zip(mine, mine[1:], strict=False):
+            assert after[:len(before) + 3] == before + answer  # the model's own answer, in the prompt
+            assert asked >= answered  # closed loop: sent once that answer had ended
 
 
 def test_each_seed_scripts_conversations_that_share_nothing_with_another_seeds():
@@ -278,5 +277,5 @@ def test_each_seed_scripts_conversations_that_share_nothing_with_another_seeds()
     model = str(tiny_model.build())
     one, other = (script(model, Conversations(3, 2, 64, 16, 16), seed) for seed in (1, 2))
     assert len(one.users) == 3 and all(len(turns) == 2 for turns in one.users)
-    assert one.system and one.system[:40] != other.system[:40]
+    assert len(one.system) == 64 and one.system[:8] != other.system[:8]
     assert script(model, Conversations(3, 2, 64, 16, 16), 1) == one  # and the same seed, the same script
