@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -63,6 +64,18 @@ class _Turn:
     answer: list[int] | None = None
 
 
+async def _lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The stream's lines, split at newlines only: httpx's ``aiter_lines`` also splits at U+2028 and
+    the like, which JSON leaves unescaped inside a string (the tiny model generates them)."""
+    rest = b""
+    async for chunk in resp.aiter_bytes():
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if rest:
+        yield rest
+
+
 async def _ask(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> _Turn:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
@@ -72,10 +85,10 @@ async def _ask(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: i
         if resp.status_code != 200:
             await resp.aread()
             return turn
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in _lines(resp):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+            choices = json.loads(line[len(b"data: "):]).get("choices") or [{}]
             ids = choices[0].get("token_ids") or []
             if ids:
                 last = time.perf_counter()

@@ -243,7 +243,9 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
         await resp.prepare(request)
         for token in answer:
             await asyncio.sleep(0.01)
-            await resp.write(f"data: {json.dumps({'choices': [{'text': 'x', 'token_ids': [token]}]})}\n\n".encode())
+            # a line separator inside the text, which JSON leaves as it is: not a line break in SSE
+            chunk = json.dumps({"choices": [{"text": "x\u2028y", "token_ids": [token]}]}, ensure_ascii=False)
+            await resp.write(f"data: {chunk}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         seen.append((body["prompt"], asked, time.monotonic(), answer))
         return resp
