@@ -36,7 +36,8 @@ from ..demo import tiny_model
 from ..local_cluster import CPU_DTYPE
 from .arglists import positive_list
 from . import report
-from .load import (CPU, WALL, Conversations, Load, RunResult, churn, descriptors_per_transfer,
+from .conversations import Conversations
+from .load import (CPU, WALL, Load, RunResult, churn, descriptors_per_transfer,
                    heavy_tailed_dataset, held_share, legs_imbalance, mean_imbalance, mean_step_us, pool_churn_prompts,
                    prefill_ms, read_connector, read_router, run, scratch_dir, step_quantile_us, thread_cpu_percent)
 from .preset import PRESETS, STOPPED, evaluate, rates_for

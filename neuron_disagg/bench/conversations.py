@@ -27,7 +27,29 @@ from dataclasses import dataclass
 
 import httpx
 
-from .load import Conversations
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """The multi-turn workload (``converse``): ``conversations`` x ``turns`` requests, each
+    turn's prompt the previous prompt, the model's answer to it (``answer_tokens``) and a new user
+    message of ``user_tokens``, all after one system prompt of ``system_tokens``. ``hot_prefix``:
+    instead, every request is the system prompt and a message of its own (one prefix for everything)."""
+
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    answer_tokens: int
+    hot_prefix: bool = False
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+    @property
+    def longest(self) -> int:
+        return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
 
 
 @dataclass(frozen=True)

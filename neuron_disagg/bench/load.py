@@ -17,6 +17,7 @@ from collections.abc import Callable
 import httpx
 
 from .. import timeline
+from .conversations import Conversations, converse
 from ..protocol.geometry import kv_bytes_per_token
 
 
@@ -127,8 +128,6 @@ def run(mode: str, url: str, tokenizer: str, load: Load, out_dir: Path,
     name = f"{mode}-rate{load.rate}-in{load.input_len}"
     try:
         if load.workload is not None:
-            from .conversations import converse
-
             raw = converse(url, tokenizer, load.workload, load.rate, load.seed)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{name}.json").write_text(json.dumps(raw))
@@ -182,29 +181,6 @@ def heavy_tailed_dataset(tokenizer_dir: str, input_len: int, max_output: int, pr
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return str(path)
-
-
-@dataclass(frozen=True)
-class Conversations:
-    """The multi-turn workload (``conversations.py``): ``conversations`` x ``turns`` requests, each
-    turn's prompt the previous prompt, the model's answer to it (``answer_tokens``) and a new user
-    message of ``user_tokens``, all after one system prompt of ``system_tokens``. ``hot_prefix``:
-    instead, every request is the system prompt and a message of its own (one prefix for everything)."""
-
-    conversations: int
-    turns: int
-    system_tokens: int
-    user_tokens: int
-    answer_tokens: int
-    hot_prefix: bool = False
-
-    @property
-    def requests(self) -> int:
-        return self.conversations * self.turns
-
-    @property
-    def longest(self) -> int:
-        return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
 
 
 @dataclass

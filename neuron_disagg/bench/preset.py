@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from .load import Conversations, RunResult
+from .conversations import Conversations
+from .load import RunResult
 from .topology import DEFAULT_MODES
 
 Point = dict[str, RunResult]  # mode -> its result at one (rate, input length)

@@ -27,6 +27,11 @@ from typing import Literal
 
 from .prefix_index import PrefixIndex
 
+#: Blocks remembered per instance, from its events and from history each: more than a pool holds
+#: (an H200 holding a 32B model's KV has some 25,000 blocks of 16 tokens), and a bound on what a
+#: flood of events or requests can make the router keep (about 150 bytes a block).
+MAX_BLOCKS = 200_000
+
 Source = Literal["events", "history"]
 SOURCES: tuple[Source, ...] = ("events", "history")
 
@@ -43,7 +48,7 @@ class _Heard:
 
 class Affinity:
     def __init__(self, block_size: int, *, events_stale_s: float = 10.0, history_ttl_s: float = 300.0,
-                 max_blocks: int = 1_000_000):
+                 max_blocks: int = MAX_BLOCKS):
         self.index = PrefixIndex(block_size, max_blocks)
         self.events_stale_s, self.history_ttl_s, self.max_blocks = events_stale_s, history_ttl_s, max_blocks
         self._heard: dict[str, _Heard] = {}

@@ -64,7 +64,11 @@ class EventListener:
         assert self._socket is not None
         while True:
             frames = await self._socket.recv_multipart()
-            self.on_message(self.affinity.received(frames, self.known(), time.monotonic()))
+            try:
+                self.on_message(self.affinity.received(frames, self.known(), time.monotonic()))
+            except Exception:  # a message the checks let through must not stop the listening
+                self.affinity.rejected["error"] += 1
+                logger.exception("a KV event message could not be applied; it is dropped")
 
     async def close(self) -> None:
         if self._task is not None:

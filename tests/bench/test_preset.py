@@ -231,7 +231,7 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
     from aiohttp import web
 
     from neuron_disagg.bench.conversations import Script, _converse
-    from neuron_disagg.bench.load import Conversations
+    from neuron_disagg.bench.conversations import Conversations
 
     seen: list[tuple[list[int], float, float, list[int]]] = []  # prompt, when asked, when answered, answer
 
@@ -275,7 +275,7 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
 
 def test_each_seed_scripts_conversations_that_share_nothing_with_another_seeds():
     from neuron_disagg.bench.conversations import script
-    from neuron_disagg.bench.load import Conversations
+    from neuron_disagg.bench.conversations import Conversations
     model = str(tiny_model.build())
     one, other = (script(model, Conversations(3, 2, 64, 16, 16), seed) for seed in (1, 2))
     assert len(one.users) == 3 and all(len(turns) == 2 for turns in one.users)

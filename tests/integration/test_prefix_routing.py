@@ -48,9 +48,10 @@ def test_the_routers_match_is_vllms_own_prefix_cache_hit_on_p_and_on_d(cluster, 
     the events P and D published after the first, exactly as far as vLLM's own prefix cache hits it:
     the router tokenizes and chains as vLLM does (a different tokenization or block chain fails here).
     The answer is monolithic's."""
-    seed = 300 + ["push", "pull"].index(mode)
-    first = prompt(240, seed)
-    second = first + " and then " + prompt(60, seed + 50)
+    # A conversation of its own: an instance that already holds a prompt stores (and tells) nothing new
+    # of it, and other tests send these words too.
+    first = f"conversation {time.time_ns()} {mode}: " + prompt(240, 3)
+    second = first + " and then " + prompt(60, 5)
     tokens = httpx.post(f"{cluster.p.url}/tokenize", json={"model": "tiny", "prompt": first}, timeout=30).json()["count"]
     for inst in (cluster.p, cluster.d):
         events_heard(routed, inst)
