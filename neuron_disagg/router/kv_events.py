@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..config import ConfigError
 from .affinity import Affinity
 
 logger = logging.getLogger("neuron_disagg.router")
@@ -27,18 +26,12 @@ MAX_MESSAGE_BYTES = 64 << 20
 RECEIVE_QUEUE = 10_000
 
 
-def zmq_endpoint(host_port: str) -> str:
-    """``HOST:PORT`` as a ZMQ TCP endpoint (an IPv6 host in brackets)."""
-    host, sep, port = host_port.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"kv_events_endpoint {host_port!r} must be HOST:PORT with a port in 1..65535")
-    return f"tcp://{host}:{port}"
-
-
 class EventListener:
     def __init__(self, endpoint: str, affinity: Affinity, known: Callable[[], set[str]],
                  on_message: Callable[[str | None], None] = lambda url: None):
-        self.endpoint, self.affinity, self.known, self.on_message = zmq_endpoint(endpoint), affinity, known, on_message
+        # HOST:PORT, checked where the config is read (``Config.kv_events_endpoint``)
+        self.endpoint = f"tcp://{endpoint}"
+        self.affinity, self.known, self.on_message = affinity, known, on_message
         self._socket = None
         self._task: asyncio.Task | None = None
 

@@ -30,7 +30,7 @@ class Hits:
     tokens: int
     held: Callable[[Instance], int]
     epsilon: float
-    window_s: float = 30.0
+    window_s: float = 30.0  # RouterSettings.affinity_window_s's default
 
 
 def within_bound(candidates: list[Instance], load: Callable[[Instance], float], epsilon: float) -> set[Instance]:
