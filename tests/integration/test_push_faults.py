@@ -77,7 +77,7 @@ def test_prefill_killed_under_a_registration_lets_decode_go_on_at_once_and_frees
     within a probe's interval (suspect_after_s / 3), not at D's watchdog; the blocks, which a P
     only paused could still write, come back at the fence."""
     p = procs("prefill")
-    d = _decode(procs, "--suspect-after-s", "0.6")
+    d = _decode(procs, "--suspect-after-s", "1.2")  # room for a busy machine; a kill is seen by the next probe
     tid = ["orphan", 0]
     d.call("expect", tid=tid, p_address=p.address)
     started = time.monotonic()

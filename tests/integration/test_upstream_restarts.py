@@ -27,7 +27,7 @@ def test_vllm_49238_a_prefill_restarted_under_decodes_transfer(ucx_peers, mode):
     args = ("--mode", mode, "--lease-s", "30")
     p = ucx_peers("prefill", "--port", str(free_port()), *args)
     d = ucx_peers("decode", "--mode", mode, "--watchdog-s", str(WATCHDOG_S), "--max-write-s", str(MAX_WRITE_S),
-                  "--suspect-after-s", "0.6")
+                  "--suspect-after-s", "1.2")
 
     def deliver(p, tid, src, dst, seed):
         p.call("fill", blocks=src, seed=seed)
