@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 from . import pci
+from .errors import PlatformError
 from .fence import KVFence
 
 Backend = Literal["UCX", "LIBFABRIC"]
@@ -29,6 +30,9 @@ class Platform(ABC):
     #: Whether NIXL may be unable to register this accelerator's memory (then ``host_staging``
     #: defaults to ``auto``; elsewhere a failed registration stops the start).
     device_registration_may_fail: bool = False
+    #: How finely push may stream, coarsest first: ``layers`` needs vLLM's per-layer hook
+    #: (``save_kv_layer``), which runs where attention is a Python op between layers.
+    stream_modes: tuple[str, ...] = ("off", "chunks", "layers")
 
     def __init__(self, root: str = "/") -> None:
         self.root = root
@@ -44,6 +48,16 @@ class Platform(ABC):
     def host_staging(self, configured: str | None) -> str:
         """The ``host_staging`` mode to run: the config's, else this platform's default."""
         return configured or ("auto" if self.device_registration_may_fail else "never")
+
+    def stream_mode(self, configured: str | None) -> str:
+        """The ``stream`` mode to run: the config's, else the finest this platform supports. A mode
+        the platform cannot run stops the start with what to set instead."""
+        if configured is None:
+            return self.stream_modes[-1]
+        if configured not in self.stream_modes:
+            raise PlatformError(f"stream: {configured} cannot run on {self.name}, whose engine never calls "
+                                f"vLLM's per-layer hook; set stream: {self.stream_modes[-1]}")
+        return configured
 
     # -- NICs ---------------------------------------------------------------------------------------
     def efa_devices(self) -> list[pci.PciDevice]:

@@ -106,6 +106,26 @@ def _layer_regions(name: str, tensor: Any, dims: tuple[str, ...], g: KVGeometry)
         device_id=device if device is not None else 0) for suffix, offset in planes]
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """Consecutive layers in ``groups`` groups of near-equal size, for streaming by layers: each
+    layer name (as vLLM's ``save_kv_layer`` names it) and each region to its group. Layers with no
+    region of their own (vLLM's KV sharing: they write none) belong to no group."""
+
+    group_of_layer: dict[str, int]
+    group_of_region: tuple[int, ...]
+    groups: int
+
+
+def layer_groups(layer_names: list[str], regions: tuple[Region, ...], max_groups: int) -> LayerGroups:
+    """``layer_names`` in ``kv_caches`` order, which is the order the forward runs them."""
+    layer_of = {name + suffix: name for name in layer_names for suffix in ("", ".k", ".v")}
+    owning = list(dict.fromkeys(layer_of[r.name] for r in regions))
+    groups = max(1, min(max_groups, len(owning)))
+    group_of_layer = {name: i * groups // len(owning) for i, name in enumerate(owning)}
+    return LayerGroups(group_of_layer, tuple(group_of_layer[layer_of[r.name]] for r in regions), groups)
+
+
 def dims_from_probe(declared_shape: tuple[int, ...], probe: Mapping[str, int]) -> tuple[str, ...]:
     """Label each dimension of a shape a backend declared for distinct probe values
     (``num_blocks``, ``block_size``, ``num_kv_heads``, ``head_size``); K and V packed into one

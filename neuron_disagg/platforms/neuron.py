@@ -48,6 +48,7 @@ class NeuronPlatform(Platform):
                      "torch.neuron.synchronize), or XLA's mark_step + wait_device_ops on the XLA route")
     fabric_env_vars = NEURON_FABRIC_ENV
     device_registration_may_fail = True
+    stream_modes = ("off", "chunks")  # the compiled graph runs every layer in one call: no per-layer hook
 
     def __init__(self, root: str = "/") -> None:
         super().__init__(root)

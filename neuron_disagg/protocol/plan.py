@@ -264,6 +264,24 @@ def _devices(addr: np.ndarray, pairs: Sequence[tuple[Region, Region]], side: int
     return np.array([p[side].device_id for p in pairs], dtype=np.int64)[idx]
 
 
+def split_by_group(write: RankWrite, local: Sequence[Region],
+                   group_of_region: Sequence[int]) -> list[tuple[int, RankWrite]]:
+    """``write``'s descriptors parted by the group of the local region each starts in (a descriptor
+    never crosses regions: runs merge within a region pair), as (group, part), groups ascending.
+    Streaming by layers posts each part once its layers' KV is written."""
+    bases = np.array([r.base_addr for r in local], dtype=_U64)
+    order = np.argsort(bases)
+    region = order[np.searchsorted(bases[order], write.src_addr, side="right") - 1]
+    group = np.asarray(group_of_region, dtype=np.int64)[region]
+    parts: list[tuple[int, RankWrite]] = []
+    for g in np.unique(group):
+        mine = group == g
+        parts.append((int(g), RankWrite(write.d_rank, write.remote_agent, write.src_addr[mine], write.dst_addr[mine],
+                                        write.length[mine], write.src_dev[mine], write.dst_dev[mine],
+                                        write.unmerged_count if not parts else 0)))
+    return parts
+
+
 def plan_write(
     local: Sequence[Region],
     p_rank: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..platforms.fence import KVFence
+from ..platforms.fence import KVFence, LayerFences
 from ..protocol.messages import Message, PullOffer, RankRegions, Registration, TransferId
 
 
@@ -21,12 +21,13 @@ class KvReady:
 
 @dataclass(frozen=True, slots=True)
 class KvChunk:
-    """Engine, P: a prefill runs on; its leading ``block_ids`` hold final KV once ``fence`` passed.
+    """Engine, P: a prefill runs on; its leading ``block_ids`` hold final KV once ``fence`` passed
+    (``LayerFences``: layer group by layer group, as the forward that computes them runs).
     The blocks stay the engine's."""
 
     transfer_id: TransferId
     block_ids: tuple[int, ...]
-    fence: KVFence | None
+    fence: KVFence | LayerFences | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Part:
-    """One sub-transfer: a plan between us and one peer rank."""
+    """One sub-transfer: a plan between us and one peer rank, posted once ``gate`` (if any) says
+    the bytes it reads are final (streaming by layers: the layers it covers ran)."""
 
     peer_address: str
     peer_rank: int
     plan: RankWrite
+    gate: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -47,6 +49,7 @@ class _Batch:
     frame: bytes  # the signed notification that rides on every part
     handles: list[Any] = field(default_factory=list)
     parked: list[Part] = field(default_factory=list)
+    gated: list[Part] = field(default_factory=list)  # their gate not open yet: posted by poll
     agents: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.perf_counter)
     # Why a part failed, while others posted may still be landing: reported once all have ended, so
@@ -112,26 +115,44 @@ class InFlight:
         try:
             for part in parts:
                 batch.agents.add(part.plan.remote_agent)
-                if self._draining:
-                    batch.parked.append(part)  # handshaken with the new agent, after the reset
-                elif self.transport.has_peer(part.plan.remote_agent):
-                    prepared = next((p for p in built if p.write is part.plan and p.op == op), None)
-                    if prepared is not None:
-                        built.remove(prepared)
-                    error = self._post(batch, part, prepared)
-                    if error and batch.handles:  # others posted: the failure waits for them
-                        batch.failure, batch.parked = error, []
-                        break
-                    if error:
-                        self.release(tid)
-                        return error
-                else:
-                    batch.parked.append(part)
-                    self._handshake(part)
+                if part.gate is not None and not part.gate():
+                    batch.gated.append(part)
+                    continue
+                error = self._place(batch, part, built)
+                if error and batch.handles:  # others posted: the failure waits for them
+                    batch.failure, batch.parked, batch.gated = error, [], []
+                    break
+                if error:
+                    self.release(tid)
+                    return error
         finally:
             for prepared in built:  # built for parts this submit does not have
                 self.transport.discard(prepared)
         self.post_seconds.append(time.perf_counter() - batch.started)
+        return None
+
+    def _place(self, batch: _Batch, part: Part, built: list[Prepared] | None = None) -> str | None:
+        """Post ``part`` now (with what was built for it), or park it until its peer is known."""
+        if self._draining:
+            batch.parked.append(part)  # handshaken with the new agent, after the reset
+        elif self.transport.has_peer(part.plan.remote_agent):
+            prepared = next((p for p in built or () if p.write is part.plan and p.op == batch.op), None)
+            if prepared is not None:
+                built.remove(prepared)  # type: ignore[union-attr]  # found in it
+            return self._post(batch, part, prepared)
+        else:
+            batch.parked.append(part)
+            self._handshake(part)
+        return None
+
+    def _open_gates(self, tid: TransferId, batch: _Batch) -> str | None:
+        """Post the gated parts whose gate opened; a failure reason if one failed."""
+        for part in [p for p in batch.gated if p.gate()]:  # type: ignore[misc]  # gated parts have one
+            batch.gated.remove(part)
+            error = self._place(batch, part)
+            if error:
+                batch.gated = []
+                return error
         return None
 
     def _post(self, batch: _Batch, part: Part, prepared: Prepared | None = None) -> str | None:
@@ -173,7 +194,7 @@ class InFlight:
                 batch.parked.remove(part)
                 problem = error or self._post(batch, part)
                 if problem and batch.handles:  # others posted: the failure waits for them (poll)
-                    batch.failure, batch.parked = problem, []
+                    batch.failure, batch.parked, batch.gated = problem, [], []
                     break
                 if problem:
                     self.release(tid)
@@ -185,13 +206,21 @@ class InFlight:
         done, failed = [], []
         running = False
         for tid, batch in list(self._batches.items()):
+            if batch.gated and batch.failure is None:
+                error = self._open_gates(tid, batch)
+                if error and not batch.handles:
+                    self.release(tid)
+                    failed.append((tid, error))
+                    continue
+                if error:  # others posted: the failure waits for them
+                    batch.failure, batch.parked = error, []
             finished = True
             for handle in batch.handles:
                 try:
                     finished = self.transport.poll(handle) and finished
                 except TransferFailed as exc:  # this part ended; the others may still be landing
                     if batch.failure is None:
-                        batch.failure, batch.parked = str(exc), []
+                        batch.failure, batch.parked, batch.gated = str(exc), [], []
                         for agent in batch.agents:
                             self._forget_dead_peer(str(exc), agent)
             if batch.failure is not None:
@@ -201,7 +230,7 @@ class InFlight:
                 else:
                     running = True
                 continue
-            if finished and not batch.parked:
+            if finished and not batch.parked and not batch.gated:
                 if batch.frame:  # a transfer's last write; not one of chunks while the prefill ran
                     self.done_seconds.append(time.perf_counter() - batch.started)
                 self.release(tid, keep_prepared=not batch.frame)

@@ -200,6 +200,7 @@ class Rank:
         totals["writes_planned_ahead"] = self.push.core.counters["write_planned_ahead"]
         totals["writes_prepared_ahead"] = t["prepared_posted"]
         totals["chunk_writes"] = t["chunk_writes"]
+        totals["layer_parts"] = t["layer_parts"]
         totals["streams_rewritten"] = self.push.core.counters["stream_rewritten"]
         failures = Counter(self.push.failures) + Counter(self.pull.failures)  # both hold KV under a lease
         totals["lease_expiries"] = failures["lease expired"]

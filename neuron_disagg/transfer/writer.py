@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ from ..protocol.actions import AbortWrite, Action, FailTransfer, FreeBlocks, Sub
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Withdraw, WriteStarting
 from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
-from ..platforms.fence import KVFence
+from ..platforms.fence import KVFence, LayerFences
+from ..protocol.plan import split_by_group
 from .inbox import Abort, Deliver, KvChunk, KvComing, KvReady, PeerReady, Preempted
 from .inflight import InFlight, Part
 from .outbox import Freed, Outbox
@@ -40,6 +42,7 @@ class PushWriter(TransferThread[ProducerCore]):
         super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
         self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.staging = staging
+        self._layers: LayerFences | None = None  # streaming by layers: the newest step's fences
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
@@ -60,9 +63,12 @@ class PushWriter(TransferThread[ProducerCore]):
         loop cost it 35-110 us a step in the bench)."""
         self._inbox.put(KvReady(transfer_id, tuple(block_ids), fence, ready_at))
 
-    def kv_chunk(self, transfer_id: TransferId, block_ids: tuple[int, ...], fence: KVFence | None = None) -> None:
-        """Engine, after a step of a prefill that runs on: ``block_ids``, the prompt's leading
-        blocks, hold final KV once ``fence`` has passed. They stay the engine's."""
+    def kv_chunk(self, transfer_id: TransferId, block_ids: tuple[int, ...],
+                 fence: KVFence | LayerFences | None = None) -> None:
+        """Engine, after a step of a prefill (streaming by chunks): ``block_ids``, the prompt's
+        leading blocks, hold final KV once ``fence`` has passed. Or before the step's forward
+        (streaming by layers): they will, each group of layers once ``fence`` says so. They stay the
+        engine's."""
         if self.staging is None:  # staging copies whole prefills; it streams nothing
             self._inbox.put(KvChunk(transfer_id, tuple(block_ids), fence))
 
@@ -106,7 +112,9 @@ class PushWriter(TransferThread[ProducerCore]):
             self._perform(())  # a copy that ran at once reported to the core (deferred)
 
     def _kv_chunk(self, item: KvChunk, now: float) -> None:
-        if item.fence is not None:
+        if isinstance(item.fence, LayerFences):  # handed before the forward: its parts wait on their layers
+            self._layers = item.fence
+        elif item.fence is not None:
             item.fence.wait()
         self._perform(self.core.chunk_ready(item.transfer_id, item.block_ids, now))
 
@@ -192,6 +200,14 @@ class PushWriter(TransferThread[ProducerCore]):
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
         if notification is None:  # finished chunks, while the prefill runs: D hears nothing of them
             self.stats["chunk_writes"] += 1
+            layers = self._layers
+            if layers is not None and not layers.passed():
+                # Blocks the running forward is still computing: each group of layers goes once its
+                # fence is ready. The newest step's fences cover what earlier steps finished too.
+                parts = [Part(submit.d_side_channel, w.d_rank, piece, partial(layers.ready, g))
+                         for w in submit.plan.writes
+                         for g, piece in split_by_group(w, self.core.regions, layers.group_of_region)]
+                self.stats["layer_parts"] += len(parts)
             self.timeline.mark(submit.transfer_id, "p_chunk_posted")
             return self._post(submit, parts, b"")
         self.stats["writes"] += 1

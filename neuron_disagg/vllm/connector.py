@@ -84,7 +84,7 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
                 self.scheduler_side = PrefillScheduler(block_size, signer, timeline=timeline,
                                                        async_scheduling=async_scheduling,
                                                        accept_unsigned=self.config.accept_unsigned_prefill_legs,
-                                                       stream=self.config.stream == "chunks")
+                                                       stream=self.config.stream != "off")
             else:
                 self.scheduler_side = DecodeScheduler(block_size, signer, timeline=timeline)
         else:
@@ -171,7 +171,11 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, per layer: never waits (loads complete between steps)."""
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        """Worker, per layer: nothing; P's KV is written once the request's prefill is done."""
+        """Worker, per attention layer during the forward, once the layer wrote its KV (where vLLM
+        calls it: CUDA and CPU attention, not Neuron's compiled graph): streaming by layers, P
+        counts the layer off its group, and a group complete is fenced for the writer."""
+        with self._step:
+            self.worker_side.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         """Worker, once per step after the forward: prefills this forward completed go to the writer

@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from .. import kv_params as leg_params
+from ..platforms.fence import LayerFences
+from ..platforms.kv_layout import LayerGroups, layer_groups
 from ..protocol.messages import PullOffer, RankRegions, TransferId
 from ..protocol.wire import WireCodec
 from . import compat
@@ -194,7 +196,9 @@ class PrefillScheduler(SchedulerSide):
             rid = leg.request_id
             if rid in preempted:  # its blocks are gone; what it gets next is not followed here
                 self._stop_following(leg)
-                if leg.streamed_blocks:  # written from blocks vLLM may reuse now: written again
+                # Written from blocks vLLM may reuse now: written again. The last chunk's forward
+                # may have streamed the whole prompt by layers (the worker's choice, unseen here).
+                if leg.streamed_blocks or (self.stream and leg.state is _P.LAST_CHUNK):
                     leg.streamed_blocks = 0
                     self._step.preempted.append(leg.key)
                 if leg.state is _P.LAST_CHUNK:
@@ -268,18 +272,32 @@ class PrefillWorker(WorkerSide):
         super().__init__(*args, **kwargs)
         self._after_forward: list[HandOff] = []  # this step's hand-offs, for after its forward
         self._chunks_after_forward: list[HandOff] = []  # this step's streamed chunks, the same
+        self.stream = "off"  # the mode run, once the platform is known (register_kv_caches)
+        self._layer_groups: LayerGroups | None = None  # streaming by layers
+        self._layers: LayerFences | None = None  # this step's, while its forward runs
+
+    def register_kv_caches(self, kv_caches, dims, block_tokens: int) -> None:
+        super().register_kv_caches(kv_caches, dims, block_tokens)
+        self.stream = self.platform.stream_mode(self.config.stream)
+        if self.stream == "layers":
+            self._layer_groups = layer_groups(list(kv_caches), self.rank_regions.regions,
+                                              self.config.stream_layer_groups)
+        log.info("neuron-disagg prefill rank %d streams push writes by %s", self.tp_rank, self.stream)
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""
-        if self._after_forward or self._chunks_after_forward:  # the last forward ended without after_forward (never seen)
+        if self._after_forward or self._chunks_after_forward or self._layers:  # the last forward ended without after_forward (never seen)
             self.after_forward()
         # One fence per step, recorded on the engine thread (never waited on here): the writer waits
         # on it before reading finished KV.
         self._to_writer(step.kv_ready, self.platform.wait_for_kv() if step.kv_ready else None)
         self._after_forward = step.kv_ready_after_forward
-        self._chunks_after_forward = step.chunks_after_forward
         for tid in step.preempted:  # before this step's forward reuses any of their blocks
             self.rank.push.preempted(tid)
+        if self._layer_groups is None:
+            self._chunks_after_forward = step.chunks_after_forward
+        else:
+            self._stream_layers(step)
         for r in (*step.kv_coming, *self._after_forward):  # this forward computes their last tokens:
             self.rank.push.kv_coming(r.transfer_id, r.block_ids)  # the writer plans their writes meanwhile
         for lend in step.lend:  # our own scheduler's offer: no need to verify it
@@ -292,13 +310,37 @@ class PrefillWorker(WorkerSide):
             self.rank.push.abort(abort.transfer_id, abort.reason)
             self.rank.pull.abort(abort.transfer_id, abort.reason)
 
+    def _stream_layers(self, step: StepMetadata) -> None:
+        """Every block this forward completes, the prompt's last included, goes to the writer
+        before the forward runs; each group of layers is posted once the forward wrote it
+        (``layer_saved``). Whatever the last write would have carried is then already on its way,
+        and it carries only the notification."""
+        handed = (*step.chunks_after_forward, *step.kv_coming, *step.kv_ready_after_forward)
+        if not handed:
+            return
+        g = self._layer_groups
+        assert g is not None  # streaming by layers
+        self._layers = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv)
+        for c in handed:
+            self.rank.push.kv_chunk(c.transfer_id, c.block_ids, self._layers)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """An attention layer wrote its KV in this step's forward (``save_kv_layer``)."""
+        if self._layers is not None:
+            self._layers.saved(layer_name)
+
     def after_forward(self) -> None:
         """After the step's forward (``wait_for_save``): prefills that forward completed go to the
         writer now, not a step later, with a fence recorded behind the forward."""
         ready, self._after_forward = self._after_forward, []
         chunks, self._chunks_after_forward = self._chunks_after_forward, []
-        if ready or chunks:
+        layers, self._layers = self._layers, None
+        if ready or chunks or layers:
             fence = self.platform.wait_for_kv()  # one for the step: everything below was computed in it
+            if layers is not None:
+                hooked = layers.finish(fence)
+                self._totals["layer_groups_hooked"] += hooked
+                self._totals["layer_groups_at_step_end"] += layers.groups - hooked
             for c in chunks:
                 self.rank.push.kv_chunk(c.transfer_id, c.block_ids, fence)
             if ready:

@@ -40,6 +40,12 @@ COUNTS = {
     "chunks_streamed": "P: prefill steps whose finished blocks went to the writer as the prefill ran (streaming)",
     "chunk_writes": "P: writes of finished chunks posted while the prefill ran (one in flight per transfer; "
                     "what finishes meanwhile goes merged in the next)",
+    "layer_parts": "P: parts of chunk writes (one per group of layers and D rank) that waited for the "
+                   "running forward to write their layers (stream: layers), each posted once it had",
+    "layer_groups_hooked": "P: groups of layers fenced as the forward wrote them (vLLM's save_kv_layer; "
+                           "stream: layers)",
+    "layer_groups_at_step_end": "P: groups of layers the per-layer hook never reached, fenced at the "
+                                "step's end instead (stays 0 where vLLM calls the hook on every layer)",
     "streams_rewritten": "P: streamed transfers written again from their start, the prefill having been "
                          "preempted (its blocks freed, maybe under a write) and computed again",
     "writes_planned_ahead": "P writes planned while the prefill's last forward ran, so that the write waited "

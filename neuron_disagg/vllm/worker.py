@@ -102,6 +102,9 @@ class WorkerSide:
         """Before the step's forward: the step's work to the threads (queue puts only)."""
         raise NotImplementedError
 
+    def layer_saved(self, layer_name: str) -> None:
+        """During the forward, an attention layer wrote its KV (``save_kv_layer``)."""
+
     def after_forward(self) -> None:
         """After the step's forward (``wait_for_save``)."""
 

@@ -24,7 +24,7 @@ from neuron_disagg.local_cluster import free_port, router, stop_together  # noqa
 
 from .fault_matrix import record  # noqa: E402
 from .vllm_cluster import (  # noqa: E402
-    D_BOUND_S, MAX_MODEL_LEN, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, explained,
+    D_BOUND_S, MAX_MODEL_LEN, P_STEP_TOKENS, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, explained,
     handed_over_early, kv_usage, legs, metric, next_id, prompt, reference, run, wait_for,
 )
 
@@ -50,6 +50,24 @@ def test_a_prompt_prefilled_in_several_steps_streams_its_finished_blocks_and_dec
              f"P's scheduler side streaming the prefill's steps (from {chunks}: "
              f"{metric(cluster.p, 'neuron_disagg_chunks_streamed_total')})")
     assert metric(cluster.p, "neuron_disagg_chunk_writes_total") > writes  # written while P computed
+    assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
+    blocks_back(cluster)
+
+
+@pytest.mark.every_vllm  # whether vLLM calls save_kv_layer on every layer differs between versions
+def test_a_prompt_prefilled_in_one_step_streams_by_layers_during_its_forward_and_decodes_token_exact(cluster):
+    """The default on CPU is stream: layers. A prompt of one step streams no chunk by steps; by layers
+    its blocks go to the writer before the forward, each group posted once vLLM's per-layer hook
+    says its layers wrote their KV, and the last write carries only the notification."""
+    names = ("chunk_writes", "layer_groups_hooked", "layer_groups_at_step_end")
+    before = {n: metric(cluster.p, f"neuron_disagg_{n}_total") for n in names}
+    want, got = run(_compare(cluster, [prompt(P_STEP_TOKENS // 4, 23)]))  # a quarter of a step's tokens
+    assert got == want
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_chunk_writes_total") > before["chunk_writes"], 10,
+             "P wrote the one-step prompt as a chunk, handed before its forward")
+    assert metric(cluster.p, "neuron_disagg_layer_groups_hooked_total") > before["layer_groups_hooked"]
+    # Every layer called the hook: no group waited for the step's end.
+    assert metric(cluster.p, "neuron_disagg_layer_groups_at_step_end_total") == before["layer_groups_at_step_end"]
     assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
     blocks_back(cluster)
 

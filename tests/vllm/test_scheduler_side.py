@@ -452,7 +452,10 @@ def test_async_scheduling_hands_over_a_step_later_unless_that_step_preempted_it(
     assert ready.block_ids == (3, 4, 5)
     assert not _p_last_chunk(sibling=True)[0].build_connector_meta(step()).kv_ready  # a sibling's was sent
     p, r = _p_last_chunk()
-    assert not p.build_connector_meta(step(preempted={"0"}))  # its blocks were freed: nothing sent
+    # Its blocks were freed: nothing handed over, but the writer hears it, since that forward may
+    # have streamed the prompt by layers from blocks vLLM may reuse now.
+    freed = p.build_connector_meta(step(preempted={"0"}))
+    assert not freed.kv_ready and freed.preempted == [p.legs["0"].key]
     assert not p.build_connector_meta(step(new={"0": (0, [7, 8, 9])}, scheduled={"0": 40}))
     assert p.request_finished(r, [7, 8, 9]) == (True, None)  # computed again: sent at its end
     assert p.build_connector_meta(step()).kv_ready[0].block_ids == (7, 8, 9)
