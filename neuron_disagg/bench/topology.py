@@ -4,6 +4,8 @@
 - ours (push and pull): P on core 0 and D on core 1 with our connector, one router per mode.
 - push-whole: push with streaming off (``stream: off``): P writes the whole prompt's KV once the
   prefill is done, as push did before it streamed. A P and D of its own, since the setting is P's.
+- push-chunks: push streaming by steps only (``stream: chunks``, Neuron's finest), where push
+  streams by layers too (the default on CPU and CUDA). A P and D of its own, as push-whole.
 - vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
@@ -47,11 +49,13 @@ from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull",
-         "push-cache", "pull-cache", "mono2", "mono2-cache")
+         "push-cache", "pull-cache", "mono2", "mono2-cache", "push-chunks")
 DEFAULT_MODES = MODES[:6]  # the ray modes need Ray installed: asked for by name
+#: the modes that are push with P's ``stream`` set otherwise, each on a P and D of its own
+STREAM_MODES = {"push-whole": "off", "push-chunks": "chunks"}
 #: push-bind-MS: push with the binding horizon MS (``router/binding.py``); not in MODES, any MS goes.
 BOUND_LATE = re.compile(r"push-bind-(\d+)")
-OURS = ("push", "push-whole", "pull", "push-cache", "pull-cache")  # our connector's modes, which export its metrics
+OURS = ("push", "push-whole", "push-chunks", "pull", "push-cache", "pull-cache")  # our connector's modes, which export its metrics
 CACHE_AWARE = "-cache"  # a mode's suffix: its router routes by what instances hold
 
 
@@ -66,7 +70,7 @@ def is_ours(mode: str) -> bool:
 def router_mode(mode: str) -> str:
     """The router's --mode for a bench mode (push-whole, push-bind-MS and push-cache are push
     routers; the mono2 modes' router has no P, and sends each request whole to an instance)."""
-    if BOUND_LATE.fullmatch(mode) or mode == "push-whole" or mode.startswith("mono2"):
+    if BOUND_LATE.fullmatch(mode) or mode in STREAM_MODES or mode.startswith("mono2"):
         return "push"
     return mode.removesuffix(CACHE_AWARE)
 
@@ -135,8 +139,7 @@ def groups(modes: list[str]) -> list[tuple[str, ...]]:
     mono2 = tuple(m for m in ("mono2", "mono2-cache") if m in modes)
     if mono2:
         out.append(mono2)
-    if "push-whole" in modes:
-        out.append(("push-whole",))
+    out += [(m,) for m in STREAM_MODES if m in modes]
     out += [(m,) for m in ("vllm-push", "vllm-pull") if m in modes]
     ray = tuple(m for m in ("ray-push", "ray-pull") if m in modes)  # one Ray cluster serves both
     if ray:
@@ -200,7 +203,7 @@ def _build(group: tuple[str, ...], server: ServerSettings) -> Running:
                    timeline_dir=marks, extra_args=server.router_extra)
         return Running({mode: r.url}, [p, *ds, r], p, ds, marks, routers={mode: r})
     secret = secrets.token_hex(32)
-    overrides = {"timeline_dir": marks, **({"stream": "off"} if group == ("push-whole",) else {}),
+    overrides = {"timeline_dir": marks, **({"stream": STREAM_MODES[group[0]]} if group[0] in STREAM_MODES else {}),
                  **({"kv_events_endpoint": events} if events else {})}
     sides = [p_side, *(free_port() for _ in range(server.prefills - 1))]
     ps = _named([disaggregated("prefill", server.model, free_port(), side, "0", secret, overrides, **kw) for side in sides])
