@@ -84,6 +84,8 @@ class RankWrite:
     src_dev: np.ndarray
     dst_dev: np.ndarray
     unmerged_count: int
+    #: the index in P's regions of the region each descriptor reads (a descriptor never crosses one)
+    src_region: np.ndarray | None = None
 
     @property
     def bytes(self) -> int:
@@ -224,6 +226,7 @@ def plan_rank_write(
     if not groups:
         raise PlanError(f"decode rank {remote.tp_rank} shares no KV heads with this prefill rank")
     parts, unmerged = [], 0
+    index = {r.name: i for i, r in enumerate(local)}
     for key, pairs in groups.items():
         src_stride, dst_stride = key[0][0], key[1][0]
         pattern = patterns[key]
@@ -248,9 +251,10 @@ def plan_rank_write(
         s, d = (src_base + rel_src).ravel(), (dst_base + rel_dst).ravel()
         n = np.tile(run, len(pairs))
         unmerged += len(pairs) * len(src_blocks) * len(pat_len)
-        parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1)))
-    s, d, n, sdev, ddev = (np.concatenate(cols) for cols in zip(*parts, strict=True))
-    return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged)
+        owner = np.repeat(np.array([index[p[0].name] for p in pairs], dtype=np.int32), len(run))
+        parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1), owner))
+    s, d, n, sdev, ddev, owners = (np.concatenate(cols) for cols in zip(*parts, strict=True))
+    return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged, owners)
 
 
 def _devices(addr: np.ndarray, pairs: Sequence[tuple[Region, Region]], side: int) -> np.ndarray:
@@ -264,21 +268,19 @@ def _devices(addr: np.ndarray, pairs: Sequence[tuple[Region, Region]], side: int
     return np.array([p[side].device_id for p in pairs], dtype=np.int64)[idx]
 
 
-def split_by_group(write: RankWrite, local: Sequence[Region],
-                   group_of_region: Sequence[int]) -> list[tuple[int, RankWrite]]:
-    """``write``'s descriptors parted by the group of the local region each starts in (a descriptor
-    never crosses regions: runs merge within a region pair), as (group, part), groups ascending.
-    Streaming by layers posts each part once its layers' KV is written."""
-    bases = np.array([r.base_addr for r in local], dtype=_U64)
-    order = np.argsort(bases)
-    region = order[np.searchsorted(bases[order], write.src_addr, side="right") - 1]
-    group = np.asarray(group_of_region, dtype=np.int64)[region]
+def split_by_group(write: RankWrite, group_of_region: Sequence[int]) -> list[tuple[int, RankWrite]]:
+    """``write``'s descriptors parted by the group of the region of P's each reads (regions may
+    interleave in memory, so by ``src_region``, never by address), as (group, part), groups
+    ascending. Streaming by layers posts each part once its layers' KV is written."""
+    if write.src_region is None:
+        raise PlanError("this write was not planned by plan_rank_write: its descriptors' regions are unknown")
+    group = np.asarray(group_of_region, dtype=np.int64)[write.src_region]
     parts: list[tuple[int, RankWrite]] = []
     for g in np.unique(group):
         mine = group == g
         parts.append((int(g), RankWrite(write.d_rank, write.remote_agent, write.src_addr[mine], write.dst_addr[mine],
                                         write.length[mine], write.src_dev[mine], write.dst_dev[mine],
-                                        write.unmerged_count if not parts else 0)))
+                                        write.unmerged_count if not parts else 0, write.src_region[mine])))
     return parts
 
 

@@ -206,7 +206,7 @@ class PushWriter(TransferThread[ProducerCore]):
                 # fence is ready. The newest step's fences cover what earlier steps finished too.
                 parts = [Part(submit.d_side_channel, w.d_rank, piece, partial(layers.ready, g))
                          for w in submit.plan.writes
-                         for g, piece in split_by_group(w, self.core.regions, layers.group_of_region)]
+                         for g, piece in split_by_group(w, layers.group_of_region)]
                 self.stats["layer_parts"] += len(parts)
             self.timeline.mark(submit.transfer_id, "p_chunk_posted")
             return self._post(submit, parts, b"")

@@ -5,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from neuron_disagg.protocol import PlanError, RankRegions, Registration, TransferId, peer_ranks, plan_write
 from neuron_disagg.protocol.geometry import ModelShape, rank_regions, regions_bytes
+from neuron_disagg.protocol.plan import WritePlan, split_by_group
 from neuron_disagg.transfer.memory import MemoryFabric
 
 SHAPE = ModelShape(num_layers=3, num_kv_heads=4, head_dim=8, dtype_bytes=2, block_tokens=4)
@@ -305,3 +306,34 @@ def test_source_ordered_merging_moves_every_byte_as_the_per_block_plan_does(list
     assert np.array_equal(_bytes_moved(plan), _bytes_moved(unmerged))
     assert plan.descriptor_count <= _token_order_count(unmerged, local)
     assert _nothing_left_to_merge(plan, local)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_block_lists(), st.sampled_from(LAYOUTS), st.sampled_from([(1, 1), (2, 1), (1, 2)]), st.integers(1, 6),
+       st.data())
+def test_a_write_parted_by_layer_group_moves_the_same_bytes_each_part_from_its_own_groups_regions(
+        lists, layout, tps, groups, data):
+    """Streaming by layers posts each group's part once its layers ran: together the parts are the
+    write, and no part reads a byte of another group's layers (it would read KV not yet computed)."""
+    src, dst, first = lists
+    p_tp, d_tp = tps
+    p_rank = data.draw(st.integers(0, p_tp - 1))
+    local = _regions(layout, p_rank, p_tp)
+    group_of_region = tuple(sorted(data.draw(st.lists(st.integers(0, groups - 1), min_size=len(local),
+                                                      max_size=len(local)))))
+    plan = plan_write(local, p_rank, p_tp, _registration_in(layout, d_tp, dst[first:], first), src)
+    parted = []
+    for write in plan.writes:
+        parts = split_by_group(write, group_of_region)
+        assert [g for g, _ in parts] == sorted({g for g, _ in parts})
+        assert sum(part.unmerged_count for _, part in parts) == write.unmerged_count
+        for g, part in parts:
+            assert part.d_rank == write.d_rank and len(part)
+            mine = [r for r, rg in zip(local, group_of_region, strict=True) if rg == g]
+            end = part.src_addr + part.length
+            inside = np.zeros(len(part), dtype=bool)
+            for r in mine:
+                inside |= (part.src_addr >= r.base_addr) & (end <= r.base_addr + r.extent_bytes)
+            assert inside.all(), f"group {g}'s part reads outside its regions"
+            parted.append(part)
+    assert np.array_equal(_bytes_moved(WritePlan(tuple(parted))), _bytes_moved(plan))

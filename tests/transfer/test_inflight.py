@@ -36,11 +36,11 @@ def _setup(tag):
     peers = SimpleNamespace(spans={}, handshake=lambda *a: None, handshake_finished=lambda a: None)
     writes = InFlight(p, peers, lambda agent, error: None, Counter())
     parts = [_part(0, d0, p_mem, d0_mem), _part(1, d1, p_mem, d1_mem)]
-    return p, d0, d1, writes, parts, (p_mem, d0_mem)
+    return p, d0, d1, writes, parts, (p_mem, d0_mem, d1_mem)
 
 
 def test_a_part_that_fails_to_post_is_reported_only_once_the_part_already_posted_has_landed():
-    p, d0, d1, writes, parts, (p_mem, d0_mem) = _setup("post")
+    p, d0, d1, writes, parts, (p_mem, d0_mem, _) = _setup("post")
     p.stall_posts_to.add(d0.name)  # rank 0's part is posted and stays in flight
     p.fail_posts_to.add(d1.name)   # rank 1's part cannot be posted
     assert writes.submit(TID, "WRITE", parts, b"") is None  # not failed yet: a part is landing
@@ -56,3 +56,33 @@ def test_a_part_that_fails_alone_fails_the_transfer_at_once():
     p.fail_posts_to.add(d0.name)
     assert writes.submit(TID, "WRITE", parts, b"") == f"peer {d0.name} is not reachable"
     assert not writes.tids()
+
+
+def _gated(part, gate) -> Part:
+    return Part(part.peer_address, part.peer_rank, part.plan, gate)
+
+
+def test_a_gated_part_is_posted_once_its_gate_opens_and_the_write_ends_only_after_it():
+    """Streaming by layers: a part whose layers the forward has not written yet waits; posting it
+    at once (the gate ignored) would read KV still being computed."""
+    p, d0, d1, writes, parts, (p_mem, d0_mem, d1_mem) = _setup("gate")
+    opened = []
+    gated = [parts[0], _gated(parts[1], lambda: bool(opened))]
+    assert writes.submit(TID, "WRITE", gated, b"frame") is None
+    for _ in range(3):
+        assert writes.poll() == ([], [])  # rank 0's part landed; rank 1's waits on its layers
+    assert np.array_equal(d0_mem, p_mem) and not d1_mem.any()
+    opened.append(True)
+    done, failed = writes.poll()
+    assert done == [TID] and not failed and np.array_equal(d1_mem, p_mem)
+
+
+def test_a_part_that_fails_while_another_waits_on_its_gate_fails_the_write_and_never_posts_the_other():
+    p, d0, d1, writes, parts, (_, _, d1_mem) = _setup("gate-fail")
+    p.fail_posts_to.add(d0.name)
+    opened = []
+    gated = [parts[0], _gated(parts[1], lambda: bool(opened))]
+    assert writes.submit(TID, "WRITE", gated, b"") == f"peer {d0.name} is not reachable"
+    assert not writes.tids()
+    opened.append(True)  # its layers ran after the write had failed: nothing is posted for it
+    assert writes.poll() == ([], []) and not d1_mem.any()

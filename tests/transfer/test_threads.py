@@ -525,3 +525,61 @@ def test_a_prefill_that_ends_under_a_chunk_write_tells_d_only_once_the_write_end
     assert "aborted" in d.wait("failed", tid)["reason"]
     assert d.wait("free", tid)["blocks"] == [4, 5, 6]
     assert not [e for e in d.events_of("loaded") if e["tid"] == list(tid)]
+
+
+def test_a_chunk_handed_before_its_forward_is_posted_group_by_group_as_its_layers_are_fenced(ranks):
+    """Streaming by layers: the step's blocks reach the writer before the forward computes them, so
+    nothing of a group may be read before its fence is ready. A writer that posted the whole chunk at
+    once (the gates ignored) would land the second group while its layers were still being computed."""
+    from neuron_disagg.platforms.fence import LayerFences
+
+    p, d = ranks("prefill"), ranks("decode")
+    tid, src, dst = ("by-layers", 0), [3, 4], [1, 2]
+    p.fill(blocks=src, seed=5)
+    _register(d, p, tid, dst)
+    _until(lambda: p.stats()["live"] == 1, "P never got the registration")
+    half = len(p.peer.regions) // 2  # layers 0-1 (K and V planes) then layers 2-3
+    fences = [_HeldFence(), _HeldFence()]
+    recorded = iter(fences)
+    layers = LayerFences({"early": 0, "late": 1}, tuple(i // half for i in range(2 * half)), 2, lambda: next(recorded))
+
+    def landed():  # per region: D's two blocks hold P's
+        return [all(d.read(block=b)["regions"][r] == p.read(block=s)["regions"][r] for s, b in zip(src, dst, strict=True))
+                for r in range(2 * half)]
+
+    p.peer.rank.push.kv_chunk(TransferId(*tid), tuple(src), layers)
+    time.sleep(0.2)
+    assert not any(landed())  # no layer has run
+    layers.saved("early")  # the engine records group 0's fence; the device has not passed it
+    time.sleep(0.2)
+    assert not any(landed())
+    fences[0].passed.set()
+    _until(lambda: all(landed()[:half]), "the first group never landed")
+    time.sleep(0.2)
+    assert not any(landed()[half:])  # its layers ran; the second group's have not
+    layers.saved("late")
+    fences[1].passed.set()
+    _until(lambda: all(landed()), "the second group never landed")
+    assert not d.events_of("loaded")  # chunks: D hears of the transfer only with the last write
+    p.kv_ready(tid=list(tid), blocks=src)
+    d.wait("loaded", tid)
+    writer = p.peer.rank.push.stats
+    assert writer["chunk_writes"] == 1 and writer["layer_parts"] == 2 and writer["writes"] == 1
+
+
+def test_a_chunk_whose_forward_ended_before_the_writer_saw_it_goes_whole(ranks):
+    """The step's fences all ready when the writer plans (the forward outran it): one part, no gates."""
+    from neuron_disagg.platforms.fence import LayerFences, ReadyFence
+
+    p, d = ranks("prefill"), ranks("decode")
+    tid = ("late-writer", 0)
+    p.fill(blocks=[3], seed=6)
+    _register(d, p, tid, [1])
+    _until(lambda: p.stats()["live"] == 1, "P never got the registration")
+    layers = LayerFences({"only": 0}, (0,) * len(p.peer.regions), 1, ReadyFence)
+    layers.finish(ReadyFence())
+    p.peer.rank.push.kv_chunk(TransferId(*tid), (3,), layers)
+    p.kv_ready(tid=list(tid), blocks=[3])
+    d.wait("loaded", tid)
+    assert d.digest(blocks=[1]) == p.digest(blocks=[3])
+    assert p.peer.rank.push.stats["layer_parts"] == 0
