@@ -52,6 +52,12 @@ class StepClock:
         self.wall += time.perf_counter() - self._wall
         self.cpu += time.thread_time() - self._cpu
 
+    def add(self, seconds: float) -> None:
+        """Time spent in a hook that never waits, read off the wall clock alone (a per-layer hook
+        cannot afford the CPU clock's two system calls): there, wall time is CPU time."""
+        self.wall += seconds
+        self.cpu += seconds
+
     def take(self) -> tuple[float, float]:
         """(wall, cpu) seconds since the last take, and start over."""
         spent, (self.wall, self.cpu) = (self.wall, self.cpu), (0.0, 0.0)
@@ -72,6 +78,7 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
                              "or kv_consumer (decode)")
         self._step = StepClock()
+        self._streams_layers = False  # P streaming by layers (known once the KV caches are registered)
         self.scheduler_side: PrefillScheduler | DecodeScheduler | None = None
         self.worker_side: PrefillWorker | DecodeWorker | None = None
         self._engine_id = transfer.engine_id
@@ -153,6 +160,7 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         declares them) and start the transfer threads."""
         self.worker_side.register_kv_caches(kv_caches, compat.kv_dims(self._vllm_config, kv_caches),
                                             self._vllm_config.cache_config.block_size)
+        self._streams_layers = getattr(self.worker_side, "stream", None) == "layers"
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Worker, each step before the forward: hand the step's work to the transfer threads now
@@ -174,8 +182,10 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, per attention layer during the forward, once the layer wrote its KV (where vLLM
         calls it: CUDA and CPU attention, not Neuron's compiled graph): streaming by layers, P
         counts the layer off its group, and a group complete is fenced for the writer."""
-        with self._step:
+        if self._streams_layers:
+            started = time.perf_counter()
             self.worker_side.layer_saved(layer_name)
+            self._step.add(time.perf_counter() - started)
 
     def wait_for_save(self) -> None:
         """Worker, once per step after the forward: prefills this forward completed go to the writer
