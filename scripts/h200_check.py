@@ -12,7 +12,10 @@ reading, moved by the real push writer and receiver threads over NIXL with signe
 3. P fence: P's KV is written by device work queued behind a delay (a sleeping kernel) just before
    P hands it to its writer; with the platform's fence D gets the new KV, and a control run without
    the fence must show the race (D gets what was there before); the same for a streamed chunk,
-   handed over behind its step's fence while the prefill runs on;
+   handed over behind its step's fence while the prefill runs on, and for a step streamed by
+   layers, handed over before its forward, each group of layers posted once the event recorded
+   behind that group's kernels passed (the control records none: each group goes as the host
+   leaves the layer, the kernels still queued);
 4. D fence: D's engine zeroes fresh blocks behind a delay on its stream before registering them;
    with the fence P's write lands after the zeroing, and the control run shows it overwritten;
 5. tensor parallelism: P TP 1 -> D TP 2 and P TP 2 -> D TP 1, each byte-exact.
@@ -67,14 +70,29 @@ class DeviceQueue:
         fn()
 
     def fence(self):
-        from neuron_disagg.platforms.fence import CallbackFence
-        return CallbackFence(self.work.join) if self.device.type == "cpu" else self.platform.wait_for_kv()
+        """What the engine records after queuing work: on CUDA the platform's event; in the dry run
+        a marker queued behind that work, passed when the emulated device reaches it."""
+        return _Marker(self.work) if self.device.type == "cpu" else self.platform.wait_for_kv()
 
     def synchronize(self) -> None:
         if self.device.type == "cpu":
             self.work.join()
         else:
             self.torch.cuda.synchronize(self.device)
+
+
+class _Marker:
+    """Dry run: an event on the emulated device's queue (``ready`` polls it, ``wait`` blocks)."""
+
+    def __init__(self, work: queue.Queue) -> None:
+        self.passed = threading.Event()
+        work.put((0.0, self.passed.set))
+
+    def ready(self) -> bool:
+        return self.passed.is_set()
+
+    def wait(self) -> None:
+        self.passed.wait()
 
 
 def expected(torch, layer: int, heads: range, blocks: int, seed: int):
@@ -90,8 +108,8 @@ def rank_main(spec: dict, conn) -> None:
     import torch
 
     from neuron_disagg.platforms import select_platform
-    from neuron_disagg.platforms.fence import ReadyFence
-    from neuron_disagg.platforms.kv_layout import VLLM_LAYER_VIEW, KVGeometry, regions_from_kv_caches
+    from neuron_disagg.platforms.fence import LayerFences, ReadyFence
+    from neuron_disagg.platforms.kv_layout import VLLM_LAYER_VIEW, KVGeometry, layer_groups, regions_from_kv_caches
     from neuron_disagg.protocol import (
         ConsumerTimeouts, ProducerTimeouts, RankRegions, Registration, TransferId, WireCodec,
     )
@@ -126,11 +144,14 @@ def rank_main(spec: dict, conn) -> None:
     def blocks_of(layer: int, block_ids):
         return [caches[f"model.layers.{layer}.self_attn.attn"][b] for b in block_ids]  # (heads, tokens, K|V)
 
+    def write_layer(layer, block_ids, seed, only=None):
+        data = expected(torch, layer, range(first, first + heads), len(block_ids), seed).to(device)
+        for i, view in enumerate(blocks_of(layer, block_ids[:only])):
+            view.copy_(data[:, i * TOKENS:(i + 1) * TOKENS])
+
     def write(block_ids, seed, only=None):  # ``only``: the first blocks alone (a step's chunk)
         for layer in range(LAYERS):
-            data = expected(torch, layer, range(first, first + heads), len(block_ids), seed).to(device)
-            for i, view in enumerate(blocks_of(layer, block_ids[:only])):
-                view.copy_(data[:, i * TOKENS:(i + 1) * TOKENS])
+            write_layer(layer, block_ids, seed, only)
 
     while True:
         cmd = conn.recv()
@@ -148,6 +169,18 @@ def rank_main(spec: dict, conn) -> None:
             conn.send({})
         elif op == "kv_chunk":  # push streaming: the prompt's leading blocks, final behind this fence
             thread.kv_chunk(tid, tuple(cmd["blocks"]), device_queue.fence() if cmd["fenced"] else ReadyFence())
+            conn.send({})
+        elif op == "layers_forward":  # push streaming by layers: the chunk first, then the forward
+            groups = layer_groups(list(caches), regions, cmd["groups"])
+            record = device_queue.fence if cmd["fenced"] else ReadyFence
+            layers = LayerFences(groups.group_of_layer, groups.group_of_region, groups.groups, record,
+                                 thread.layers_fenced)
+            thread.kv_chunk(tid, tuple(cmd["blocks"]), layers)
+            for layer, name in enumerate(caches):  # each layer's KV behind a kernel; the host goes on
+                device_queue.later(cmd["delay_s"] / LAYERS,
+                                   lambda c=cmd, i=layer: write_layer(i, c["blocks"], c["seed"]))
+                layers.saved(name)  # as vLLM's save_kv_layer: the layer is queued, not run
+            layers.finish(device_queue.fence() if cmd["fenced"] else ReadyFence())
             conn.send({})
         elif op == "register":  # D: expect the transfer, then register its fresh blocks
             thread.expect(tid, cmd["p_address"], cmd["p_tp"])
@@ -228,12 +261,19 @@ class Instances:
         self.p_tp = p_tp
 
     def push(self, tid: str, src, dst, seed: int, *, p_delay_s=0.0, p_fenced=True, d_zero_delay_s=0.0,
-             d_fenced=True, register_first=True, chunk=0) -> list[dict]:
+             d_fenced=True, register_first=True, chunk=0, layers=0) -> list[dict]:
         """One request from every P rank into every D rank; each D rank's check of its blocks. With
         ``chunk``, P streams: its first ``chunk`` blocks are computed behind the delayed kernel and
-        handed over with (``p_fenced``) or without the fence, the rest at once with it."""
+        handed over with (``p_fenced``) or without the fence, the rest at once with it. With
+        ``layers`` (groups), P streams the one step by layers, each behind its share of the delay."""
         def prefill():
             for p in self.p:
+                if layers:
+                    p("fill", blocks=src, seed=seed + 1000)  # what the blocks held before
+                    p("layers_forward", tid=tid, blocks=src, seed=seed, delay_s=p_delay_s, fenced=p_fenced,
+                      groups=layers)
+                    p("kv_ready", tid=tid, blocks=src, fenced=True)  # after the forward, behind it
+                    continue
                 if chunk:
                     p("fill", blocks=src, seed=seed + 1000)  # what the blocks held before
                     p("fill", blocks=src, seed=seed, only=chunk, delay_s=p_delay_s)  # the step's KV, behind a kernel
@@ -295,6 +335,12 @@ def run(dry_run: bool) -> list[dict]:
         control = pair.push("chunk-unfenced", [0, 1, 2], [3, 4, 5], seed=7, p_delay_s=DELAY_S,
                             p_fenced=False, chunk=2)
         record("P fence, streamed: a chunk written behind the step's kernel", exact(fenced) and not exact(control),
+               fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
+        fenced = pair.push("layers-fenced", [6, 7, 8], [9, 10, 11], seed=8, p_delay_s=DELAY_S, layers=2)
+        control = pair.push("layers-unfenced", [12, 13, 14], [15, 16, 17], seed=9, p_delay_s=DELAY_S,
+                            p_fenced=False, layers=2)
+        record("P fence, by layers: each group written behind its layers' kernels",
+               exact(fenced) and not exact(control),
                fenced=fenced, control_without_fence=control, control_shows_race=not exact(control))
         fenced = pair.push("d-fenced", [18, 19], [20, 21], seed=4, d_zero_delay_s=DELAY_S, register_first=False)
         control = pair.push("d-unfenced", [22, 23], [24, 25], seed=5, d_zero_delay_s=DELAY_S, d_fenced=False,

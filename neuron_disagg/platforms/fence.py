@@ -69,10 +69,11 @@ class LayerFences:
     assigns; the writer only reads, which is safe across threads in CPython without a lock."""
 
     def __init__(self, group_of_layer: Mapping[str, int], group_of_region: tuple[int, ...], groups: int,
-                 record: Callable[[], KVFence]):
+                 record: Callable[[], KVFence], on_fenced: Callable[[], None] = lambda: None):
         self.group_of_layer, self.groups = group_of_layer, groups
         self.group_of_region = group_of_region  # the writer parts its plans by these (plan.split_by_group)
         self._record = record
+        self._on_fenced = on_fenced  # wakes the writer: a queue put
         self._left = [0] * groups
         for g in group_of_layer.values():
             self._left[g] += 1
@@ -85,9 +86,11 @@ class LayerFences:
         if g is None:
             return
         self._left[g] -= 1
-        while self._next < self.groups and self._left[self._next] <= 0:
-            self._fences[self._next] = self._record()
-            self._next += 1
+        if self._next < self.groups and self._left[self._next] <= 0:
+            while self._next < self.groups and self._left[self._next] <= 0:
+                self._fences[self._next] = self._record()
+                self._next += 1
+            self._on_fenced()
 
     def finish(self, fence: KVFence) -> int:
         """Engine thread, after the forward: ``fence`` (recorded behind it) covers every group left.
@@ -96,12 +99,18 @@ class LayerFences:
         for g in range(self._next, self.groups):
             self._fences[g] = fence
         self._next = self.groups
+        if hooked < self.groups:
+            self._on_fenced()
         return hooked
 
     def ready(self, group: int) -> bool:
         """Writer thread: the KV of ``group``'s layers is in memory (never blocks)."""
         fence = self._fences[group]
         return fence is not None and fence.ready()
+
+    def on_device(self) -> bool:
+        """Writer thread: a group's fence is recorded and not passed yet: worth polling for."""
+        return any(f is not None and not f.ready() for f in self._fences)
 
     def passed(self) -> bool:
         """Writer thread: the whole step's KV is in memory."""

@@ -38,6 +38,12 @@ class Preempted:
 
 
 @dataclass(frozen=True, slots=True)
+class LayersFenced:
+    """Engine, P, streaming by layers: the running forward fenced another group of layers, so parts
+    waiting on it may go (the writer sleeps, rather than polls, while parts wait on a forward)."""
+
+
+@dataclass(frozen=True, slots=True)
 class KvComing:
     """Engine, P: the forward about to run completes this prefill, into these blocks."""
 

@@ -73,6 +73,11 @@ class InFlight:
     def __bool__(self) -> bool:
         return bool(self._batches) or self._draining
 
+    def moving(self) -> bool:
+        """Something is posted, parked for a peer, or draining: what only polling advances. (Parts
+        that wait on their gate alone go when the engine says the gate may have opened.)"""
+        return self._draining or any(b.handles or b.parked for b in self._batches.values())
+
     def _registered(self, agent: str, op: str, plan: RankWrite) -> bool:
         """I6: the remote side lies in memory ``agent`` registered (unknown spans: NIXL checks)."""
         spans = self.peers.spans.get(agent)

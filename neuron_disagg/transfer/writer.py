@@ -25,7 +25,7 @@ from ..protocol.producer import ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence, LayerFences
 from ..protocol.plan import split_by_group
-from .inbox import Abort, Deliver, KvChunk, KvComing, KvReady, PeerReady, Preempted
+from .inbox import Abort, Deliver, KvChunk, KvComing, KvReady, LayersFenced, PeerReady, Preempted
 from .inflight import InFlight, Part
 from .outbox import Freed, Outbox
 from .peers import Peers
@@ -34,6 +34,7 @@ from .transport import Transport
 from .thread import TransferThread
 
 log = logging.getLogger(__name__)
+LAYERS_FENCED = LayersFenced()
 
 
 class PushWriter(TransferThread[ProducerCore]):
@@ -49,6 +50,7 @@ class PushWriter(TransferThread[ProducerCore]):
                                self.stats)
         self._handlers.update({KvComing: self._kv_coming, KvReady: self._kv_ready, KvChunk: self._kv_chunk,
                                Preempted: self._preempted, Abort: self._abort, Deliver: self._message,
+                               LayersFenced: lambda item, now: None,  # the turn's _poll posts what opened
                                PeerReady: self._peer_ready})
         self._performers.update({SubmitWrite: self._submit, AbortWrite: lambda a: self.writes.release(a.transfer_id),
                                  FreeBlocks: lambda a: self._free(a.transfer_id, a.block_ids),
@@ -71,6 +73,10 @@ class PushWriter(TransferThread[ProducerCore]):
         engine's."""
         if self.staging is None:  # staging copies whole prefills; it streams nothing
             self._inbox.put(KvChunk(transfer_id, tuple(block_ids), fence))
+
+    def layers_fenced(self) -> None:
+        """Engine, streaming by layers: another group of the running forward's layers is fenced."""
+        self._inbox.put(LAYERS_FENCED)
 
     def preempted(self, transfer_id: TransferId) -> None:
         """Engine: the prefill was preempted and its blocks freed; it is computed again."""
@@ -143,7 +149,11 @@ class PushWriter(TransferThread[ProducerCore]):
 
     # -- the thread: progress and deadlines ----------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.writes)
+        # Parts waiting on layers the forward has not fenced need no polling: the engine wakes the
+        # thread when it fences them (LayersFenced). Polling the whole forward would contend for
+        # the GIL with the engine thread on every turn.
+        layers = self._layers
+        return self.writes.moving() or (layers is not None and layers.on_device())
 
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))

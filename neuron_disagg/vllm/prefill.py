@@ -320,7 +320,8 @@ class PrefillWorker(WorkerSide):
             return
         g = self._layer_groups
         assert g is not None  # streaming by layers
-        self._layers = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv)
+        self._layers = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv,
+                                   self.rank.push.layers_fenced)
         for c in handed:
             self.rank.push.kv_chunk(c.transfer_id, c.block_ids, self._layers)
 
