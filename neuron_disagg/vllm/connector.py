@@ -78,7 +78,6 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role {transfer.kv_role!r}: run each instance as kv_producer (prefill) "
                              "or kv_consumer (decode)")
         self._step = StepClock()
-        self._streams_layers = False  # P streaming by layers (known once the KV caches are registered)
         self.scheduler_side: PrefillScheduler | DecodeScheduler | None = None
         self.worker_side: PrefillWorker | DecodeWorker | None = None
         self._engine_id = transfer.engine_id
@@ -160,7 +159,6 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         declares them) and start the transfer threads."""
         self.worker_side.register_kv_caches(kv_caches, compat.kv_dims(self._vllm_config, kv_caches),
                                             self._vllm_config.cache_config.block_size)
-        self._streams_layers = getattr(self.worker_side, "stream", None) == "layers"
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Worker, each step before the forward: hand the step's work to the transfer threads now
@@ -182,9 +180,10 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
         """Worker, per attention layer during the forward, once the layer wrote its KV (where vLLM
         calls it: CUDA and CPU attention, not Neuron's compiled graph): streaming by layers, P
         counts the layer off its group, and a group complete is fenced for the writer."""
-        if self._streams_layers:
+        layers = self.worker_side.layers_in_forward  # None unless P streams by layers in this step
+        if layers is not None:
             started = time.perf_counter()
-            self.worker_side.layer_saved(layer_name)
+            layers.saved(layer_name)
             self._step.add(time.perf_counter() - started)
 
     def wait_for_save(self) -> None:

@@ -274,7 +274,6 @@ class PrefillWorker(WorkerSide):
         self._chunks_after_forward: list[HandOff] = []  # this step's streamed chunks, the same
         self.stream = "off"  # the mode run, once the platform is known (register_kv_caches)
         self._layer_groups: LayerGroups | None = None  # streaming by layers
-        self._layers: LayerFences | None = None  # this step's, while its forward runs
 
     def register_kv_caches(self, kv_caches, dims, block_tokens: int) -> None:
         super().register_kv_caches(kv_caches, dims, block_tokens)
@@ -286,7 +285,7 @@ class PrefillWorker(WorkerSide):
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""
-        if self._after_forward or self._chunks_after_forward or self._layers:  # the last forward ended without after_forward (never seen)
+        if self._after_forward or self._chunks_after_forward or self.layers_in_forward:  # the last forward ended without after_forward (never seen)
             self.after_forward()
         # One fence per step, recorded on the engine thread (never waited on here): the writer waits
         # on it before reading finished KV.
@@ -313,29 +312,24 @@ class PrefillWorker(WorkerSide):
     def _stream_layers(self, step: StepMetadata) -> None:
         """Every block this forward completes, the prompt's last included, goes to the writer
         before the forward runs; each group of layers is posted once the forward wrote it
-        (``layer_saved``). Whatever the last write would have carried is then already on its way,
+        (``save_kv_layer``). Whatever the last write would have carried is then already on its way,
         and it carries only the notification."""
         handed = (*step.chunks_after_forward, *step.kv_coming, *step.kv_ready_after_forward)
         if not handed:
             return
         g = self._layer_groups
         assert g is not None  # streaming by layers
-        self._layers = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv,
+        self.layers_in_forward = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv,
                                    self.rank.push.layers_fenced)
         for c in handed:
-            self.rank.push.kv_chunk(c.transfer_id, c.block_ids, self._layers)
-
-    def layer_saved(self, layer_name: str) -> None:
-        """An attention layer wrote its KV in this step's forward (``save_kv_layer``)."""
-        if self._layers is not None:
-            self._layers.saved(layer_name)
+            self.rank.push.kv_chunk(c.transfer_id, c.block_ids, self.layers_in_forward)
 
     def after_forward(self) -> None:
         """After the step's forward (``wait_for_save``): prefills that forward completed go to the
         writer now, not a step later, with a fence recorded behind the forward."""
         ready, self._after_forward = self._after_forward, []
         chunks, self._chunks_after_forward = self._chunks_after_forward, []
-        layers, self._layers = self._layers, None
+        layers, self.layers_in_forward = self.layers_in_forward, None
         if ready or chunks or layers:
             fence = self.platform.wait_for_kv()  # one for the step: everything below was computed in it
             if layers is not None:

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from ..config import Config
 from ..platforms import select_platform
+from ..platforms.fence import LayerFences
 from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
 from ..protocol.messages import RankRegions, TransferId
 from ..protocol.wire import WireCodec
@@ -51,6 +52,8 @@ class TransferRecord:
 
 class WorkerSide:
     role: ClassVar[str]
+    #: P streaming by layers: the running step's fences, which ``save_kv_layer`` counts layers off
+    layers_in_forward: LayerFences | None = None
 
     def __init__(self, config: Config, engine_id: str, tp_rank: int, tp_size: int,
                  total_heads: int | None = None, recompute: bool = False):
@@ -101,9 +104,6 @@ class WorkerSide:
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward: the step's work to the threads (queue puts only)."""
         raise NotImplementedError
-
-    def layer_saved(self, layer_name: str) -> None:
-        """During the forward, an attention layer wrote its KV (``save_kv_layer``)."""
 
     def after_forward(self) -> None:
         """After the step's forward (``wait_for_save``)."""
