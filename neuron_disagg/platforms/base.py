@@ -49,14 +49,18 @@ class Platform(ABC):
         """The ``host_staging`` mode to run: the config's, else this platform's default."""
         return configured or ("auto" if self.device_registration_may_fail else "never")
 
-    def stream_mode(self, configured: str | None) -> str:
+    def stream_mode(self, configured: str | None, layer_hook_once: bool = True) -> str:
         """The ``stream`` mode to run: the config's, else the finest this platform supports. A mode
-        the platform cannot run stops the start with what to set instead."""
+        the platform cannot run stops the start with what to set instead. ``layer_hook_once``:
+        vLLM calls the per-layer hook once per layer and step (not with micro-batching, DBO)."""
+        modes = self.stream_modes if layer_hook_once else tuple(m for m in self.stream_modes if m != "layers")
         if configured is None:
-            return self.stream_modes[-1]
-        if configured not in self.stream_modes:
-            raise PlatformError(f"stream: {configured} cannot run on {self.name}, whose engine never calls "
-                                f"vLLM's per-layer hook; set stream: {self.stream_modes[-1]}")
+            return modes[-1]
+        if configured not in modes:
+            why = (f"{self.name}'s engine never calls vLLM's per-layer hook" if configured not in self.stream_modes
+                   else "with micro-batching (--enable-dbo, --ubatch-size) vLLM calls the per-layer hook once "
+                        "per micro-batch, before every micro-batch wrote the layer's KV")
+            raise PlatformError(f"stream: {configured} cannot run here: {why}; set stream: {modes[-1]}")
         return configured
 
     # -- NICs ---------------------------------------------------------------------------------------

@@ -150,6 +150,18 @@ class InFlight:
             self._handshake(part)
         return None
 
+    def gated(self) -> list[TransferId]:
+        """Transfers with parts still waiting on their gate."""
+        return [tid for tid, batch in self._batches.items() if batch.gated]
+
+    def drop_gated(self, tid: TransferId) -> None:
+        """The owner gave the write up (cancelled, timed out, its registration lapsed): the parts
+        not posted never will be; the write ends with those already posted."""
+        batch = self._batches.get(tid)
+        if batch is not None and batch.gated:
+            self.stats["gated_parts_dropped"] += len(batch.gated)
+            batch.gated = []
+
     def _open_gates(self, tid: TransferId, batch: _Batch) -> str | None:
         """Post the gated parts whose gate opened; a failure reason if one failed."""
         for part in [p for p in batch.gated if p.gate()]:  # type: ignore[misc]  # gated parts have one

@@ -21,10 +21,10 @@ from typing import Any
 
 from ..protocol.actions import AbortWrite, Action, FailTransfer, FreeBlocks, SubmitWrite
 from ..protocol.messages import Cancel, Heartbeat, Registration, TransferId, Withdraw, WriteStarting
-from ..protocol.producer import ProducerCore
+from ..protocol.producer import PState, ProducerCore
 from ..protocol.wire import WireCodec
 from ..platforms.fence import KVFence, LayerFences
-from ..protocol.plan import split_by_group
+from ..protocol.plan import split_by_group, target_ranks
 from .inbox import Abort, Deliver, KvChunk, KvComing, KvReady, LayersFenced, PeerReady, Preempted
 from .inflight import InFlight, Part
 from .outbox import Freed, Outbox
@@ -44,6 +44,7 @@ class PushWriter(TransferThread[ProducerCore]):
         self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.staging = staging
         self._layers: LayerFences | None = None  # streaming by layers: the newest step's fences
+        self._forwards: list[LayerFences] = []  # the steps whose fences have not all passed
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
@@ -119,6 +120,8 @@ class PushWriter(TransferThread[ProducerCore]):
 
     def _kv_chunk(self, item: KvChunk, now: float) -> None:
         if isinstance(item.fence, LayerFences):  # handed before the forward: its parts wait on their layers
+            if item.fence is not self._layers:
+                self._forwards.append(item.fence)
             self._layers = item.fence
         elif item.fence is not None:
             item.fence.wait()
@@ -152,8 +155,11 @@ class PushWriter(TransferThread[ProducerCore]):
         # Parts waiting on layers the forward has not fenced need no polling: the engine wakes the
         # thread when it fences them (LayersFenced). Polling the whole forward would contend for
         # the GIL with the engine thread on every turn.
-        layers = self._layers
-        return self.writes.moving() or (layers is not None and layers.on_device())
+        if self.writes.moving():
+            return True
+        # Of async scheduling's overlapping steps, an older one's fences may still be on the device.
+        self._forwards = [layers for layers in self._forwards if not layers.passed()]
+        return any(layers.on_device() for layers in self._forwards)
 
     def _tick(self, now: float) -> None:
         self._perform(self.core.tick(now))
@@ -162,6 +168,15 @@ class PushWriter(TransferThread[ProducerCore]):
         # Each turn, as a thread with nothing live sleeps until its next item: what was built for
         # a plan the core dropped (the transfer ended, or kv_ready planned anew) goes at once.
         self.writes.keep_prepared(lambda tid, plan: self.core.planned_write(tid) is plan)
+        now = time.time()
+        for tid in self.writes.gated():
+            # A chunk write is posted whole while D's registration holds, as the protocol has it:
+            # parts still waiting on their layers when it is given up (cancelled, timed out, the
+            # request ended) or the registration lapses never go.
+            entry = self.core.entries.get(tid)
+            if (entry is None or entry.state not in (PState.STREAMING, PState.FINISHING)
+                    or (entry.registration_deadline is not None and now >= entry.registration_deadline)):
+                self.writes.drop_gated(tid)
         done, failed = self.writes.poll()
         for tid in done:
             entry = self.core.entries.get(tid)
@@ -222,7 +237,10 @@ class PushWriter(TransferThread[ProducerCore]):
             return self._post(submit, parts, b"")
         self.stats["writes"] += 1
         if not submit.plan.writes:  # nothing left to move (a full prefix hit on D): only the notice
-            self.peers.send(submit.d_side_channel, (0,), notification)
+            entry = self.core.entries.get(submit.transfer_id)
+            d_tp = entry.registration.d_tp_size if entry is not None and entry.registration is not None else 1
+            self.peers.send(submit.d_side_channel, target_ranks(self.core.tp_rank, self.core.tp_size, d_tp,
+                                                                self.core.total_heads), notification)
             for event in ("p_write_posted", "p_write_done"):
                 self.timeline.mark(submit.transfer_id, event)
             return self._then(lambda: self.core.write_done(submit.transfer_id, time.time()))

@@ -101,6 +101,9 @@ class NeuronDisaggConnector(KVConnectorBase_V1):
                                            vllm_config.parallel_config.tensor_parallel_size,
                                            total_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
                                            recompute=getattr(transfer, "kv_load_failure_policy", "fail") == "recompute")
+            # With micro-batching (DBO) vLLM runs each layer once a micro-batch, so its per-layer
+            # hook would count a layer done while another micro-batch still writes its KV.
+            self.worker_side.layer_hook_once = not getattr(vllm_config.parallel_config, "use_ubatching", False)
         self._failed_blocks: set[int] = set()  # vLLM < 0.32: this step's failed loads, as their blocks
 
     # -- scheduler side (engine-core process, engine loop) --------------------------------------------

@@ -277,7 +277,7 @@ class PrefillWorker(WorkerSide):
 
     def register_kv_caches(self, kv_caches, dims, block_tokens: int) -> None:
         super().register_kv_caches(kv_caches, dims, block_tokens)
-        self.stream = self.platform.stream_mode(self.config.stream)
+        self.stream = self.platform.stream_mode(self.config.stream, self.layer_hook_once)
         if self.stream == "layers":
             self._layer_groups = layer_groups(list(kv_caches), self.rank_regions.regions,
                                               self.config.stream_layer_groups)
@@ -310,19 +310,24 @@ class PrefillWorker(WorkerSide):
             self.rank.pull.abort(abort.transfer_id, abort.reason)
 
     def _stream_layers(self, step: StepMetadata) -> None:
-        """Every block this forward completes, the prompt's last included, goes to the writer
-        before the forward runs; each group of layers is posted once the forward wrote it
-        (``save_kv_layer``). Whatever the last write would have carried is then already on its way,
-        and it carries only the notification."""
-        handed = (*step.chunks_after_forward, *step.kv_coming, *step.kv_ready_after_forward)
+        """The blocks this forward completes go to the writer before it runs, each group of layers
+        posted once the forward wrote it (``save_kv_layer``). Of a prompt this forward ends, all
+        but the last block: the last write carries that block and the notification, so that, as
+        ever, the notification rides a NIXL write to every D rank it concerns, after every byte."""
+        last = {r.transfer_id for r in (*step.kv_coming, *step.kv_ready_after_forward)}
+        handed: dict[TransferId, tuple[int, ...]] = {}
+        for c in (*step.chunks_after_forward, *step.kv_coming, *step.kv_ready_after_forward):
+            blocks = c.block_ids[:-1] if c.transfer_id in last else c.block_ids
+            if blocks:  # one chunk a transfer: siblings ending in one forward share their KV
+                handed.setdefault(c.transfer_id, blocks)
         if not handed:
             return
         g = self._layer_groups
         assert g is not None  # streaming by layers
-        self.layers_in_forward = LayerFences(g.group_of_layer, g.group_of_region, g.groups, self.platform.wait_for_kv,
-                                   self.rank.push.layers_fenced)
-        for c in handed:
-            self.rank.push.kv_chunk(c.transfer_id, c.block_ids, self.layers_in_forward)
+        self.layers_in_forward = LayerFences(g.group_of_layer, g.group_of_region, g.groups,
+                                             self.platform.wait_for_kv, self.rank.push.layers_fenced)
+        for tid, blocks in handed.items():
+            self.rank.push.kv_chunk(tid, blocks, self.layers_in_forward)
 
     def after_forward(self) -> None:
         """After the step's forward (``wait_for_save``): prefills that forward completed go to the

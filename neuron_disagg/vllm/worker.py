@@ -54,6 +54,7 @@ class WorkerSide:
     role: ClassVar[str]
     #: P streaming by layers: the running step's fences, which ``save_kv_layer`` counts layers off
     layers_in_forward: LayerFences | None = None
+    layer_hook_once: bool = True  # vLLM calls save_kv_layer once per layer and step (no micro-batches)
 
     def __init__(self, config: Config, engine_id: str, tp_rank: int, tp_size: int,
                  total_heads: int | None = None, recompute: bool = False):

@@ -146,3 +146,25 @@ def test_one_prefill_rank_far_ahead_of_the_other_loads_only_when_both_have_lande
         for i in range(len(p_blocks)):
             assert got[i] == [a + b for a, b in zip(rows[0][i], rows[1][i], strict=True)], f"block {d_blocks[i]}"
         assert all(p.call("stats")["outstanding_blocks"] == 0 for p in ps)
+
+
+def test_a_last_write_with_nothing_left_to_move_still_tells_every_decode_rank(fabric):
+    """Every block went as chunks before the prefill ended, so the last write moves nothing and its
+    notification goes alone, over the side channel: to every D rank this P rank wrote into (D at TP
+    2), not to rank 0 alone, whose sibling would wait out its watchdog."""
+    with peers_on(fabric) as start:
+        p = start("prefill")
+        d_port = free_port()
+        ds = [start("decode", "--port", str(d_port), "--tp-rank", str(r), "--tp-size", "2") for r in range(2)]
+        tid, p_blocks, d_blocks = ["notice-only", 0], [5, 6], [20, 21]
+        p.call("fill", blocks=p_blocks, seed=41)
+        for d in ds:
+            d.call("expect", tid=tid, p_address=p.address)
+            d.call("allocate", tid=tid, blocks=d_blocks)
+        _wait(lambda: p.call("stats")["live"] == 1)
+        p.call("kv_chunk", tid=tid, blocks=p_blocks)
+        _wait(lambda: p.call("stats")["writer"].get("chunk_writes", 0) == 1)
+        p.call("kv_ready", tid=tid, blocks=p_blocks)
+        for d in ds:
+            d.event_for("loaded", tid, timeout=WATCHDOG_S)
+        assert sorted(p.event_for("free", tid)["blocks"]) == p_blocks

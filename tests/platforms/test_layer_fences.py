@@ -91,3 +91,10 @@ def test_layers_are_the_finest_stream_where_vllm_calls_the_per_layer_hook_and_re
     assert neuron.stream_mode(None) == "chunks" and neuron.stream_mode("off") == "off"
     with pytest.raises(PlatformError, match="set stream: chunks"):
         neuron.stream_mode("layers")
+
+
+def test_with_micro_batches_the_per_layer_hook_is_not_trusted_chunks_are_the_finest_and_layers_refused(tmp_path):
+    cpu = CpuPlatform(str(tmp_path))
+    assert cpu.stream_mode(None, layer_hook_once=False) == "chunks"
+    with pytest.raises(PlatformError, match="micro-batch"):
+        cpu.stream_mode("layers", layer_hook_once=False)

@@ -583,3 +583,29 @@ def test_a_chunk_whose_forward_ended_before_the_writer_saw_it_goes_whole(ranks):
     d.wait("loaded", tid)
     assert d.digest(blocks=[1]) == p.digest(blocks=[3])
     assert p.peer.rank.push.stats["layer_parts"] == 0
+
+
+def test_parts_still_waiting_on_their_layers_when_the_request_ends_are_never_posted(ranks):
+    """The prefill request ends (vLLM may reuse its blocks at once) while a chunk write waits on the
+    running forward's layers: what was not posted never is, and D hears WriteFailed only once the
+    write ended. A writer that posted the rest when the gates opened would read reused blocks."""
+    from neuron_disagg.platforms.fence import LayerFences
+
+    p, d = ranks("prefill"), ranks("decode")
+    tid, src, dst = ("ended-mid-forward", 0), [3, 4], [1, 2]
+    p.fill(blocks=src, seed=7)
+    _register(d, p, tid, dst)
+    _until(lambda: p.stats()["live"] == 1, "P never got the registration")
+    half = len(p.peer.regions) // 2
+    held = _HeldFence()
+    layers = LayerFences({"early": 0, "late": 1}, tuple(i // half for i in range(2 * half)), 2, lambda: held)
+    p.peer.rank.push.kv_chunk(TransferId(*tid), tuple(src), layers)
+    time.sleep(0.2)
+    p.abort(tid=list(tid))
+    time.sleep(0.2)
+    layers.saved("early"), layers.saved("late")
+    held.passed.set()  # the forward's layers ran after all, the blocks maybe another request's now
+    d.wait("failed", tid)
+    time.sleep(0.3)
+    assert not any(int(region, 16) for b in dst for region in d.read(block=b)["regions"])  # nothing landed
+    assert p.peer.rank.push.stats["gated_parts_dropped"] == 2

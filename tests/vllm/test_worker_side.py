@@ -15,6 +15,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg.config import Config  # noqa: E402
+from neuron_disagg.platforms.fence import ReadyFence  # noqa: E402
+from neuron_disagg.platforms.kv_layout import LayerGroups  # noqa: E402
 from neuron_disagg.protocol import RankRegions, Registration, TransferId  # noqa: E402
 from neuron_disagg.timeline import OFF  # noqa: E402
 from neuron_disagg.transfer.outbox import Failed, Freed, Loaded, Quarantined  # noqa: E402
@@ -223,6 +225,30 @@ def test_under_async_scheduling_the_writer_hears_of_a_prefill_before_its_last_fo
     assert p.rank.push.calls == [("kv_coming", TID, (1, 2))]  # handed over only at the next step's start
     p.hand_off(StepMetadata(kv_ready=[HandOff(TID, RID, (1, 2))]))
     assert [c[:3] for c in p.rank.push.calls[1:]] == [("kv_ready", TID, (1, 2))]
+
+
+def test_streaming_by_layers_hands_the_steps_blocks_over_before_its_forward_but_a_prompts_last_block(worker):
+    """The last block rides with the notification on the last write, after the forward, so that it
+    reaches every D rank as a NIXL notification after every byte; siblings whose prompt one forward
+    ends (async scheduling names both) share one chunk."""
+    p = worker("prefill")
+    p._layer_groups = LayerGroups({"layer.0": 0, "layer.1": 1}, (0, 1), 2)
+    recorded: list[ReadyFence] = []
+    p.platform = SimpleNamespace(wait_for_kv=lambda: recorded.append(ReadyFence()) or recorded[-1])
+    running = TransferId("req.2", 0, "def")
+    p.hand_off(StepMetadata(chunks_after_forward=[HandOff(running, "cmpl-req.2-0", (5, 6))],
+                            kv_coming=[HandOff(TID, RID, (1, 2, 3)), HandOff(TID, "sibling", (1, 2, 3))]))
+    layers = p.layers_in_forward
+    chunks = [c for c in p.rank.push.calls if c[0] == "kv_chunk"]
+    assert chunks == [("kv_chunk", running, (5, 6), layers), ("kv_chunk", TID, (1, 2), layers)]
+    assert recorded == []  # before the forward: nothing computed, nothing fenced
+    layers.saved("layer.0")
+    assert len(recorded) == 1 and layers.ready(0) and not layers.ready(1)  # group 0 fenced on the engine thread
+    assert ("layers_fenced",) in p.rank.push.calls  # and the writer woken
+    p.after_forward()
+    assert p.layers_in_forward is None and layers.passed()  # the step's end fenced the rest
+    assert not [c for c in p.rank.push.calls if c[0] == "kv_ready"]  # async: at the next step's start
+    assert p._totals["layer_groups_hooked"] == 1 and p._totals["layer_groups_at_step_end"] == 1
 
 
 class Exploding(TransferThread):
