@@ -81,12 +81,12 @@ class Config(BaseModel):
     platform: Literal["auto", "neuron", "cuda", "cpu"] = "auto"
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=64 * 1024 * 1024)
     stream: Literal["off", "chunks", "layers"] | None = Field(
-        None, description="push: write P's KV into D's registered blocks while the prefill runs. chunks: "
-        "each step's finished blocks once that step ends, so only the last step's KV is left to write "
-        "when the prefill is done; layers: also within each step, each group of layers once its KV is "
-        "written (where vLLM calls save_kv_layer: CUDA and CPU), so a prompt that fits one step streams "
-        "too; off: the whole prompt at the end (to compare). Unset: the finest the platform supports "
-        "(layers; chunks on Neuron, whose compiled graph has no per-layer hook)")
+        None, description="push: write P's KV into D's registered blocks while the prefill runs. chunks "
+        "(the default): each step's finished blocks once that step ends, so only the last step's KV is "
+        "left to write when the prefill is done; layers: within each step too, each group of layers once "
+        "its KV is written (where vLLM calls save_kv_layer after each layer: CUDA and CPU, not Neuron), so "
+        "a prompt of one step streams as well, at the cost of the writer's work inside the forward; off: "
+        "the whole prompt at the end (to compare)")
     stream_layer_groups: int = Field(
         8, ge=1, le=256, description="stream: layers posts each step's write in at most this many "
         "groups of consecutive layers: one fence and one post per group and D rank, however many layers")

@@ -119,8 +119,8 @@ SEED = Preset(
     input_lens=[2048], output_len=32, prompts=32, rounds=3, max_model_len=2560, kv_cache_bytes=768 << 20,
     p_busy=[0.8], kv_heavy=True, churn=True,
     # Every engine computes a 2,048-token prompt in four steps of 512, as a server under load
-    # chunks long prompts: push-chunks streams the first three while the fourth runs, push (by
-    # layers) the fourth too, while it runs.
+    # chunks long prompts: push streams the first three while the fourth runs, push-layers the
+    # fourth too, group of layers by group as its forward writes them.
     vllm_args="--max-num-batched-tokens 512",
     goals=(ratio_goal("push", "ttft_p50_ms", "vllm-pull", 0.5, "TTFT p50"),
            handoff_goal("push", "vllm-pull", 0.3),
@@ -128,7 +128,7 @@ SEED = Preset(
            ratio_goal("push", "tpot_p50_ms", "vllm-pull", 0.8, "TPOT p50"),
            ratio_goal("pull", "ttft_p50_ms", "vllm-pull", 0.8, "TTFT p50"),
            ratio_goal("push-bind-0", "ttft_p50_ms", "push", 1.05, "TTFT p50")),
-    modes=(*DEFAULT_MODES, "push-chunks", "push-bind-0"))
+    modes=(*DEFAULT_MODES, "push-layers", "push-bind-0"))
 
 LIGHT = Preset(
     name="light", about="the light corner: short prompts, light load, the default tiny model",
@@ -147,7 +147,7 @@ SEED_LONG = Preset(
     # 8,160 + 32 output tokens: the tiny model's 8,192 positions, the longest it holds
     input_lens=[8160], output_len=32, prompts=4, rounds=2, max_model_len=8192, kv_cache_bytes=768 << 20,
     p_busy=[0.8], kv_heavy=True, vllm_args="--max-num-batched-tokens 512",
-    modes=("push", "push-chunks", "push-whole", "vllm-pull"),
+    modes=("push", "push-layers", "push-whole", "vllm-pull"),
     goals=(handoff_goal("push", "vllm-pull", 0.3),))
 
 def at_most_goal(mode: str, name: str, bound: float, words: str) -> Goal:

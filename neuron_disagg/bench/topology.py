@@ -4,8 +4,8 @@
 - ours (push and pull): P on core 0 and D on core 1 with our connector, one router per mode.
 - push-whole: push with streaming off (``stream: off``): P writes the whole prompt's KV once the
   prefill is done, as push did before it streamed. A P and D of its own, since the setting is P's.
-- push-chunks: push streaming by steps only (``stream: chunks``, Neuron's finest), where push
-  streams by layers too (the default on CPU and CUDA). A P and D of its own, as push-whole.
+- push-layers: push streaming by layers too (``stream: layers``), where push streams by steps (the
+  default). A P and D of its own, as push-whole.
 - vllm-push / vllm-pull: P on core 0 and D on core 1 with vLLM's own NixlPushConnector /
   NixlConnector, behind our router in its vllm-push / vllm-pull mode: same router, same load, so
   the comparison is between connectors.
@@ -49,13 +49,13 @@ from . import keep_affinity
 from .spinners import idle_cpu_percent, renice_idle_spinners
 
 MODES = ("monolithic", "push", "push-whole", "pull", "vllm-push", "vllm-pull", "ray-push", "ray-pull",
-         "push-cache", "pull-cache", "mono2", "mono2-cache", "push-chunks")
+         "push-cache", "pull-cache", "mono2", "mono2-cache", "push-layers")
 DEFAULT_MODES = MODES[:6]  # the ray modes need Ray installed: asked for by name
 #: the modes that are push with P's ``stream`` set otherwise, each on a P and D of its own
-STREAM_MODES = {"push-whole": "off", "push-chunks": "chunks"}
+STREAM_MODES = {"push-whole": "off", "push-layers": "layers"}
 #: push-bind-MS: push with the binding horizon MS (``router/binding.py``); not in MODES, any MS goes.
 BOUND_LATE = re.compile(r"push-bind-(\d+)")
-OURS = ("push", "push-whole", "push-chunks", "pull", "push-cache", "pull-cache")  # our connector's modes, which export its metrics
+OURS = ("push", "push-whole", "push-layers", "pull", "push-cache", "pull-cache")  # our connector's modes, which export its metrics
 CACHE_AWARE = "-cache"  # a mode's suffix: its router routes by what instances hold
 
 

@@ -33,6 +33,9 @@ class Platform(ABC):
     #: How finely push may stream, coarsest first: ``layers`` needs vLLM's per-layer hook
     #: (``save_kv_layer``), which runs where attention is a Python op between layers.
     stream_modes: tuple[str, ...] = ("off", "chunks", "layers")
+    #: What runs unless the config says: ``layers`` puts the writer's work inside the forward, which
+    #: on CPU cost the engine thread more than it saved (docs/benchmarks.md); not yet run on a GPU.
+    default_stream = "chunks"
 
     def __init__(self, root: str = "/") -> None:
         self.root = root
@@ -50,12 +53,12 @@ class Platform(ABC):
         return configured or ("auto" if self.device_registration_may_fail else "never")
 
     def stream_mode(self, configured: str | None, layer_hook_once: bool = True) -> str:
-        """The ``stream`` mode to run: the config's, else the finest this platform supports. A mode
-        the platform cannot run stops the start with what to set instead. ``layer_hook_once``:
-        vLLM calls the per-layer hook once per layer and step (not with micro-batching, DBO)."""
+        """The ``stream`` mode to run: the config's, else ``default_stream``. A mode the platform
+        cannot run stops the start with what to set instead. ``layer_hook_once``: vLLM calls the
+        per-layer hook once per layer and step (not with micro-batching, DBO)."""
         modes = self.stream_modes if layer_hook_once else tuple(m for m in self.stream_modes if m != "layers")
         if configured is None:
-            return modes[-1]
+            return self.default_stream
         if configured not in modes:
             why = (f"{self.name}'s engine never calls vLLM's per-layer hook" if configured not in self.stream_modes
                    else "with micro-batching (--enable-dbo, --ubatch-size) vLLM calls the per-layer hook once "

@@ -84,9 +84,9 @@ def test_layers_fall_in_consecutive_groups_with_their_k_and_v_planes_and_sharing
     assert layer_groups(names, regions, max_groups=64).groups == 5  # never more groups than layers
 
 
-def test_layers_are_the_finest_stream_where_vllm_calls_the_per_layer_hook_and_refused_on_neuron(tmp_path):
-    assert CpuPlatform(str(tmp_path)).stream_mode(None) == "layers"
-    assert CpuPlatform(str(tmp_path)).stream_mode("chunks") == "chunks"
+def test_chunks_run_unless_the_config_asks_for_layers_which_neuron_refuses(tmp_path):
+    assert CpuPlatform(str(tmp_path)).stream_mode(None) == "chunks"
+    assert CpuPlatform(str(tmp_path)).stream_mode("layers") == "layers"
     neuron = NeuronPlatform(str(tmp_path))
     assert neuron.stream_mode(None) == "chunks" and neuron.stream_mode("off") == "off"
     with pytest.raises(PlatformError, match="set stream: chunks"):
