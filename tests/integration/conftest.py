@@ -48,11 +48,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="package", params=["main", "0.29.0"], ids=lambda v: "vllm-main" if v == "main" else f"vllm-{v}")
 def cluster(request):
     """A monolithic reference, P and D of one vLLM environment (tests/vllm_envs.py), shared by the
-    vLLM-level test modules: ./.venv's vLLM (0.32), then 0.29's (``every_vllm`` tests only)."""
+    vLLM-level test modules: ./.venv's vLLM (0.32), then 0.29's (``every_vllm`` tests only). The
+    first's P streams by layers, the second's by steps (the default): every push test runs on each."""
     pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
     from .vllm_cluster import running
 
-    with running(main_env() if request.param == "main" else extra_env(request.param)) as c:
+    main = request.param == "main"
+    with running(main_env() if main else extra_env(request.param), p_stream="layers" if main else None) as c:
         c.param = request.param  # which of this fixture's params it is (tests pick spares by it)
         yield c
 

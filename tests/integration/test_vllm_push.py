@@ -54,11 +54,11 @@ def test_a_prompt_prefilled_in_several_steps_streams_its_finished_blocks_and_dec
     blocks_back(cluster)
 
 
-@pytest.mark.every_vllm  # whether vLLM calls save_kv_layer on every layer differs between versions
 def test_a_prompt_prefilled_in_one_step_streams_by_layers_during_its_forward_and_decodes_token_exact(cluster):
-    """The default on CPU is stream: layers. A prompt of one step streams no chunk by steps; by layers
-    its blocks go to the writer before the forward, each group posted once vLLM's per-layer hook
-    says its layers wrote their KV, and the last write carries only the notification."""
+    """The shared cluster's P streams by layers (``stream: layers``). A prompt of one step streams no
+    chunk by steps; by layers its blocks but the last go to the writer before the forward, each
+    group posted once vLLM's per-layer hook says its layers wrote their KV; the last write carries
+    the last block and the notification."""
     names = ("chunk_writes", "layer_groups_hooked", "layer_groups_at_step_end")
     before = {n: metric(cluster.p, f"neuron_disagg_{n}_total") for n in names}
     want, got = run(_compare(cluster, [prompt(P_STEP_TOKENS // 4, 23)]))  # a quarter of a step's tokens

@@ -44,7 +44,7 @@ class Cluster:
     alone, under a cache salt that keeps the KV it was sent out of it (as the demo does). One vLLM
     start fewer, for a version that only a few tests run on."""
 
-    def __init__(self, model, env: VllmEnv, reference_from_decode: bool = False):
+    def __init__(self, model, env: VllmEnv, reference_from_decode: bool = False, p_stream: str | None = None):
         self.model, self.env = model, env
         self.p_side = free_port()
         self.mono = None if reference_from_decode else monolithic(
@@ -58,7 +58,8 @@ class Cluster:
         # P also takes llm-d's sidecar legs (test_llm_d.py); nothing else sends it unsigned ones.
         # P computes a prompt 128 tokens a step (4 blocks), so that a few hundred words take several
         # steps and push streams their finished blocks while the prefill runs.
-        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, "accept_unsigned_prefill_legs": True},
+        streams = {"stream": p_stream} if p_stream else {}  # unset: the default, by steps
+        self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, **streams, "accept_unsigned_prefill_legs": True},
                                extra=("--max-num-batched-tokens", str(P_STEP_TOKENS)))
         # The landing wait at the config's bound, so that an idle D's steps catch every landing they
         # can (at the default 2 ms about half of them here) and the metrics test can see one.
@@ -95,9 +96,9 @@ def title(pid: int) -> str:
 
 
 @contextlib.contextmanager
-def running(env: VllmEnv, reference_from_decode: bool = False):
+def running(env: VllmEnv, reference_from_decode: bool = False, p_stream: str | None = None):
     """A started cluster of ``env``'s vLLM with the tiny model, stopped on exit."""
-    c = Cluster(str(tiny_model.build()), env, reference_from_decode)
+    c = Cluster(str(tiny_model.build()), env, reference_from_decode, p_stream)
     try:
         for instance in c.all():
             instance.start()
