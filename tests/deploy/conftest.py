@@ -99,7 +99,8 @@ def moto_url(tmp_path_factory):
 @pytest.fixture
 def aws_env(moto_url, monkeypatch, tmp_path):
     """Environment pointing boto3 at moto with dummy credentials, and only that."""
-    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10).read()
+    # A reset re-creates every service's backend: on two busy cores it once took over 10 s.
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=60).read()
     for var in list(os.environ):
         if var.startswith("AWS_") or var == "NEURON_DISAGG_SECRET":
             monkeypatch.delenv(var)

@@ -61,7 +61,9 @@ def test_a_prompt_prefilled_in_one_step_streams_by_layers_during_its_forward_and
     the last block and the notification."""
     names = ("chunk_writes", "layer_groups_hooked", "layer_groups_at_step_end")
     before = {n: metric(cluster.p, f"neuron_disagg_{n}_total") for n in names}
-    want, got = run(_compare(cluster, [prompt(P_STEP_TOKENS // 4, 23)]))  # a quarter of a step's tokens
+    # A quarter of a step's tokens, led by words no other test's prompt starts with: a prompt D
+    # already held the head of would be registered for its tail alone, leaving no chunk to write.
+    want, got = run(_compare(cluster, ["streamed layer by layer " + prompt(P_STEP_TOKENS // 4, 23)]))
     assert got == want
     wait_for(lambda: metric(cluster.p, "neuron_disagg_chunk_writes_total") > before["chunk_writes"], 10,
              "P wrote the one-step prompt as a chunk, handed before its forward")
