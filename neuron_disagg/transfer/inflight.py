@@ -162,7 +162,7 @@ class InFlight:
             self.stats["gated_parts_dropped"] += len(batch.gated)
             batch.gated = []
 
-    def _open_gates(self, tid: TransferId, batch: _Batch) -> str | None:
+    def _open_gates(self, batch: _Batch) -> str | None:
         """Post the gated parts whose gate opened; a failure reason if one failed."""
         for part in [p for p in batch.gated if p.gate()]:  # type: ignore[misc]  # gated parts have one
             batch.gated.remove(part)
@@ -224,7 +224,7 @@ class InFlight:
         running = False
         for tid, batch in list(self._batches.items()):
             if batch.gated and batch.failure is None:
-                error = self._open_gates(tid, batch)
+                error = self._open_gates(batch)
                 if error and not batch.handles:
                     self.release(tid)
                     failed.append((tid, error))

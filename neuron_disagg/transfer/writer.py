@@ -43,8 +43,7 @@ class PushWriter(TransferThread[ProducerCore]):
         super().__init__(f"neuron-disagg-push-writer-{core.tp_rank}", peers, **intervals)
         self.core, self.transport, self.codec, self.outbox = core, transport, codec, outbox
         self.staging = staging
-        self._layers: LayerFences | None = None  # streaming by layers: the newest step's fences
-        self._forwards: list[LayerFences] = []  # the steps whose fences have not all passed
+        self._forwards: list[LayerFences] = []  # streaming by layers: steps whose fences have not all passed, oldest first
         self.stats: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # by reason, for metrics
         self.writes = InFlight(transport, peers, lambda agent, error: self._inbox.put(PeerReady(agent, error)),
@@ -120,9 +119,8 @@ class PushWriter(TransferThread[ProducerCore]):
 
     def _kv_chunk(self, item: KvChunk, now: float) -> None:
         if isinstance(item.fence, LayerFences):  # handed before the forward: its parts wait on their layers
-            if item.fence is not self._layers:
+            if not self._forwards or item.fence is not self._forwards[-1]:
                 self._forwards.append(item.fence)
-            self._layers = item.fence
         elif item.fence is not None:
             item.fence.wait()
         self._perform(self.core.chunk_ready(item.transfer_id, item.block_ids, now))
@@ -158,7 +156,8 @@ class PushWriter(TransferThread[ProducerCore]):
         if self.writes.moving():
             return True
         # Of async scheduling's overlapping steps, an older one's fences may still be on the device.
-        self._forwards = [layers for layers in self._forwards if not layers.passed()]
+        while self._forwards and self._forwards[0].passed():  # oldest first: the last stays the newest
+            self._forwards.pop(0)
         return any(layers.on_device() for layers in self._forwards)
 
     def _tick(self, now: float) -> None:
@@ -225,7 +224,7 @@ class PushWriter(TransferThread[ProducerCore]):
         parts = [Part(submit.d_side_channel, w.d_rank, w) for w in submit.plan.writes]
         if notification is None:  # finished chunks, while the prefill runs: D hears nothing of them
             self.stats["chunk_writes"] += 1
-            layers = self._layers
+            layers = self._forwards[-1] if self._forwards else None
             if layers is not None and not layers.passed():
                 # Blocks the running forward is still computing: each group of layers goes once its
                 # fence is ready. The newest step's fences cover what earlier steps finished too.

@@ -272,16 +272,15 @@ class PrefillWorker(WorkerSide):
         super().__init__(*args, **kwargs)
         self._after_forward: list[HandOff] = []  # this step's hand-offs, for after its forward
         self._chunks_after_forward: list[HandOff] = []  # this step's streamed chunks, the same
-        self.stream = "off"  # the mode run, once the platform is known (register_kv_caches)
-        self._layer_groups: LayerGroups | None = None  # streaming by layers
+        self._layer_groups: LayerGroups | None = None  # streaming by layers (register_kv_caches)
 
     def register_kv_caches(self, kv_caches, dims, block_tokens: int) -> None:
         super().register_kv_caches(kv_caches, dims, block_tokens)
-        self.stream = self.platform.stream_mode(self.config.stream, self.layer_hook_once)
-        if self.stream == "layers":
+        stream = self.platform.stream_mode(self.config.stream, self.layer_hook_once)
+        if stream == "layers":
             self._layer_groups = layer_groups(list(kv_caches), self.rank_regions.regions,
                                               self.config.stream_layer_groups)
-        log.info("neuron-disagg prefill rank %d streams push writes by %s", self.tp_rank, self.stream)
+        log.info("neuron-disagg prefill rank %d streams push writes by %s", self.tp_rank, stream)
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""
