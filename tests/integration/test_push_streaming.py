@@ -165,6 +165,7 @@ def test_a_last_write_with_nothing_left_to_move_still_tells_every_decode_rank(fa
         p.call("kv_chunk", tid=tid, blocks=p_blocks)
         _wait(lambda: p.call("stats")["writer"].get("chunk_writes", 0) == 1)
         p.call("kv_ready", tid=tid, blocks=p_blocks)
-        for d in ds:
-            d.event_for("loaded", tid, timeout=WATCHDOG_S)
+        for d in ds:  # the load ends either way: loaded, or failed at the watchdog if never told
+            _wait(lambda: _loads(d, tid), timeout=30)
+            assert [e["event"] for e in _loads(d, tid)] == ["loaded"], _loads(d, tid)
         assert sorted(p.event_for("free", tid)["blocks"]) == p_blocks
