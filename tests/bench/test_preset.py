@@ -161,7 +161,7 @@ def test_the_shift_preset_runs_1p2d_with_heavy_tailed_outputs_and_a_stopped_d():
 
 
 def test_heavy_tailed_outputs_are_mostly_short_with_a_long_tail_and_prompts_as_long_as_asked(tmp_path):
-    from transformers import AutoTokenizer
+    AutoTokenizer = pytest.importorskip("transformers", reason="installed with vLLM by scripts/setup.sh").AutoTokenizer
 
     model = str(tiny_model.build())
     path = heavy_tailed_dataset(model, 256, 512, 400, tmp_path / "d.jsonl", seed=3)
@@ -274,6 +274,7 @@ def test_each_turn_carries_the_previous_prompt_and_the_models_answer_and_waits_f
 
 
 def test_each_seed_scripts_conversations_that_share_nothing_with_another_seeds():
+    pytest.importorskip("transformers", reason="installed with vLLM by scripts/setup.sh")
     from neuron_disagg.bench.conversations import script
     from neuron_disagg.bench.conversations import Conversations
     model = str(tiny_model.build())
