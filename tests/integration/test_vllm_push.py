@@ -59,15 +59,16 @@ def test_a_prompt_prefilled_in_one_step_streams_by_layers_during_its_forward_and
     chunk by steps; by layers its blocks but the last go to the writer before the forward, each
     group posted once vLLM's per-layer hook says its layers wrote their KV; the last write carries
     the last block and the notification."""
-    names = ("chunk_writes", "layer_groups_hooked", "layer_groups_at_step_end")
+    names = ("layer_groups_hooked", "layer_groups_at_step_end")
     before = {n: metric(cluster.p, f"neuron_disagg_{n}_total") for n in names}
     # A quarter of a step's tokens, led by words no other test's prompt starts with: a prompt D
     # already held the head of would be registered for its tail alone, leaving no chunk to write.
     want, got = run(_compare(cluster, ["streamed layer by layer " + prompt(P_STEP_TOKENS // 4, 23)]))
     assert got == want
-    wait_for(lambda: metric(cluster.p, "neuron_disagg_chunk_writes_total") > before["chunk_writes"], 10,
-             "P wrote the one-step prompt as a chunk, handed before its forward")
-    assert metric(cluster.p, "neuron_disagg_layer_groups_hooked_total") > before["layer_groups_hooked"]
+    # Handed before its forward, fenced group by group by the hook. (Whether a chunk write follows
+    # depends on D's registration reaching P before the forward ends: a race, not asserted.)
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_layer_groups_hooked_total") > before["layer_groups_hooked"], 10,
+             "P's per-layer hook fencing the one-step prompt's groups")
     # Every layer called the hook: no group waited for the step's end.
     assert metric(cluster.p, "neuron_disagg_layer_groups_at_step_end_total") == before["layer_groups_at_step_end"]
     assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
