@@ -25,7 +25,7 @@ from neuron_disagg.local_cluster import free_port, router, stop_together  # noqa
 from .fault_matrix import record  # noqa: E402
 from .vllm_cluster import (  # noqa: E402
     D_BOUND_S, MAX_MODEL_LEN, P_STEP_TOKENS, PATIENT, TIMEOUTS, _compare, blocks_back, body, disaggregated_completion, explained,
-    handed_over_early, kv_usage, legs, metric, next_id, prompt, reference, run, wait_for,
+    handed_over_early, kv_usage, legs, metric, next_id, prompt, reference, registered_first, run, wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,8 @@ def test_greedy_output_equals_monolithic_from_one_block_to_near_max_len(cluster)
 @pytest.mark.every_vllm  # what differs between vLLM versions
 def test_a_prompt_prefilled_in_several_steps_streams_its_finished_blocks_and_decodes_token_exact(cluster):
     chunks, writes = (metric(cluster.p, f"neuron_disagg_{n}_total") for n in ("chunks_streamed", "chunk_writes"))
-    want, got = run(_compare(cluster, [prompt(700, 21)]))  # 700 words: at least 5 steps of P_STEP_TOKENS
+    text = prompt(700, 21)  # 700 words: at least 5 steps of P_STEP_TOKENS
+    want, got = run(_registered_first(cluster, text))
     assert got == want
     # Another test's prompt of this seed may be in P's prefix cache: a block or two fewer to stream.
     wait_for(lambda: metric(cluster.p, "neuron_disagg_chunks_streamed_total") >= chunks + 3, 10,
@@ -59,20 +60,26 @@ def test_a_prompt_prefilled_in_one_step_streams_by_layers_during_its_forward_and
     chunk by steps; by layers its blocks but the last go to the writer before the forward, each
     group posted once vLLM's per-layer hook says its layers wrote their KV; the last write carries
     the last block and the notification."""
-    names = ("layer_groups_hooked", "layer_groups_at_step_end")
+    names = ("layer_groups_hooked", "layer_groups_at_step_end", "layer_parts")
     before = {n: metric(cluster.p, f"neuron_disagg_{n}_total") for n in names}
     # A quarter of a step's tokens, led by words no other test's prompt starts with: a prompt D
     # already held the head of would be registered for its tail alone, leaving no chunk to write.
-    want, got = run(_compare(cluster, ["streamed layer by layer " + prompt(P_STEP_TOKENS // 4, 23)]))
+    want, got = run(_registered_first(cluster, "streamed layer by layer " + prompt(P_STEP_TOKENS // 4, 23)))
     assert got == want
-    # Handed before its forward, fenced group by group by the hook. (Whether a chunk write follows
-    # depends on D's registration reaching P before the forward ends: a race, not asserted.)
+    # Handed before its forward, fenced group by group by the hook, its parts posted as they were.
     wait_for(lambda: metric(cluster.p, "neuron_disagg_layer_groups_hooked_total") > before["layer_groups_hooked"], 10,
              "P's per-layer hook fencing the one-step prompt's groups")
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_layer_parts_total") > before["layer_parts"], 10,
+             "the chunk write parted by groups of layers")
     # Every layer called the hook: no group waited for the step's end.
     assert metric(cluster.p, "neuron_disagg_layer_groups_at_step_end_total") == before["layer_groups_at_step_end"]
     assert metric(cluster.p, "neuron_disagg_connector_bugs_total") == 0
     blocks_back(cluster)
+
+
+async def _registered_first(cluster, text: str, max_tokens: int = 16):
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await reference(cluster, client, text, max_tokens), await registered_first(cluster, client, text, max_tokens)
 
 
 def test_several_requests_in_flight(cluster):
@@ -528,16 +535,7 @@ def test_a_registration_that_came_first_is_planned_and_built_during_the_last_for
             assert (await client.post(f"{cluster.d.url}/v1/completions", json=warm_d)).status_code == 200
             planned = metric(cluster.p, "neuron_disagg_writes_planned_ahead_total")
             built = metric(cluster.p, "neuron_disagg_writes_prepared_ahead_total")
-            p_body, d_body = legs(cluster, text, 12)
-            tid = p_body["kv_transfer_params"]["transfer_id"]
-            d = asyncio.create_task(client.post(f"{cluster.d.url}/v1/completions", json=d_body))
-            await asyncio.to_thread(wait_for, lambda: "p_registration" in timeline.load(cluster.timeline_dir)
-                                    .get(tid, {}), 30, "D's registration at P's writer")
-            p = await client.post(f"{cluster.p.url}/v1/completions", json=p_body)
-            assert p.status_code == 200, p.text
-            d = await d
-            assert d.status_code == 200, d.text
-            return want, d.json()["choices"][0]["text"], planned, built
+            return want, await registered_first(cluster, client, text, 12), planned, built
 
     want, got, planned, built = run(scenario())
     assert got == want

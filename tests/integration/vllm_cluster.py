@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from neuron_disagg import kv_params
+from neuron_disagg import kv_params, timeline
 from neuron_disagg.demo import tiny_model
 from neuron_disagg.kv_params import ParamsSigner
 from neuron_disagg.local_cluster import (BLOCK_SIZE, descendants, disaggregated, free_port, monolithic, router,
@@ -146,6 +146,22 @@ async def disaggregated_completion(c: Cluster, client: httpx.AsyncClient, text: 
     p, d = await asyncio.gather(client.post(f"{p_instance.url}/v1/completions", json=p_body),
                                 client.post(f"{(decode or c.d).url}/v1/completions", json=d_body))
     assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    return d.json()["choices"][0]["text"]
+
+
+async def registered_first(c: Cluster, client: httpx.AsyncClient, text: str, max_tokens: int = 16) -> str:
+    """Both legs, D's first: P's leg is sent once P's writer holds D's registration (its timeline
+    says so). For tests of what P does with a registration it has while it prefills: with both
+    legs at once, a busy D may register after P's prefill has ended."""
+    p_body, d_body = legs(c, text, max_tokens)
+    tid = p_body["kv_transfer_params"]["transfer_id"]
+    d = asyncio.create_task(client.post(f"{c.d.url}/v1/completions", json=d_body))
+    await asyncio.to_thread(wait_for, lambda: "p_registration" in timeline.load(c.timeline_dir).get(tid, {}), 30,
+                            "D's registration at P's writer")
+    p = await client.post(f"{c.p.url}/v1/completions", json=p_body)
+    assert p.status_code == 200, p.text
+    d = await d
     assert d.status_code == 200, d.text
     return d.json()["choices"][0]["text"]
 
