@@ -84,7 +84,8 @@ class RankWrite:
     src_dev: np.ndarray
     dst_dev: np.ndarray
     unmerged_count: int
-    #: the index in P's regions of the region each descriptor reads (a descriptor never crosses one)
+    #: the index in P's regions of the region where each descriptor starts reading; a descriptor
+    #: runs on into another region only of the same join class (``plan_rank_write``)
     src_region: np.ndarray | None = None
 
     @property
@@ -190,14 +191,46 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Descript
     return src[starts], dst[starts], np.add.reduceat(length, starts)
 
 
+def _interleave(regions: Sequence[Region]) -> bool:
+    """Some region starts before another on its device ends. Otherwise a descriptor can run on
+    into another region only from one region's last block into the next one's first: not worth
+    a pass over every descriptor (vLLM's layer-major layouts, a region per layer)."""
+    end: dict[int, int] = {}
+    for device, base, stop in sorted((r.device_id, r.base_addr, r.base_addr + r.extent_bytes) for r in regions):
+        if base < end.get(device, base):
+            return True
+        end[device] = max(end.get(device, stop), stop)
+    return False
+
+
+def join_regions(s: np.ndarray, d: np.ndarray, n: np.ndarray, sdev: np.ndarray, ddev: np.ndarray,
+                 owners: np.ndarray, join: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Descriptors merged across regions: where one continues another on both sides, on the same
+    devices, and their source regions share a join class (``join[owner]``). With the blocks
+    outermost (vLLM's ``BLHNC``) a block's layers lie back to back on both sides, so a block of
+    every layer becomes one descriptor. Each merged descriptor keeps the region it starts in."""
+    key = join[owners]
+    order = np.lexsort((s, key))
+    s, d, n, sdev, ddev, owners, key = (a[order] for a in (s, d, n, sdev, ddev, owners, key))
+    continues = ((s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1]) & (key[1:] == key[:-1])
+                 & (sdev[1:] == sdev[:-1]) & (ddev[1:] == ddev[:-1]))
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return s[starts], d[starts], np.add.reduceat(n, starts), sdev[starts], ddev[starts], owners[starts]
+
+
 def plan_rank_write(
     local: Sequence[Region],
     remote: RankRegions,
     src_blocks: np.ndarray,
     dst_blocks: np.ndarray,
     merge: bool = True,
+    join: Sequence[int] | None = None,
 ) -> RankWrite:
-    """Descriptors from one P rank's regions into one D rank's, merged within each region pair.
+    """Descriptors from one P rank's regions into one D rank's, merged within each region pair and
+    then across regions where they interleave (``join_regions``). ``join``: each of ``local``'s regions' join class
+    (streaming by layers parts writes by group of layers, so a descriptor must not run from one
+    group into the next); None: one class. A merged descriptor stays inside one registered span
+    on each side, since regions that touch are registered as one (``transport.region_spans``).
 
     Region pairs that share a block geometry are planned together, so a 16k-token request costs
     a few vectorised passes over its block list, not one pass per layer."""
@@ -254,6 +287,9 @@ def plan_rank_write(
         owner = np.repeat(np.array([index[p[0].name] for p in pairs], dtype=np.int32), len(run))
         parts.append((s, d, n, _devices(s, pairs, 0), _devices(d, pairs, 1), owner))
     s, d, n, sdev, ddev, owners = (np.concatenate(cols) for cols in zip(*parts, strict=True))
+    if merge and len(n) > 1 and _interleave(local):
+        classes = np.zeros(len(local), dtype=np.int64) if join is None else np.asarray(join, dtype=np.int64)
+        s, d, n, sdev, ddev, owners = join_regions(s, d, n, sdev, ddev, owners, classes)
     return RankWrite(remote.tp_rank, remote.agent_name, s, d, n, sdev, ddev, unmerged, owners)
 
 
@@ -295,13 +331,14 @@ def plan_write(
     *,
     start: int = 0,
     final: bool = True,
+    join: Sequence[int] | None = None,
 ) -> WritePlan:
     """What P's rank ``p_rank`` must write for ``registration`` from the prompt's block ``start``
     on: to its end (``final``), or, while the prefill runs, up to the last of ``src_block_ids``, the
     leading blocks finished so far. Raises PlanError if the registration is inconsistent with our
     geometry or block list — before any byte moves. ``merge=False`` keeps one descriptor per block
     and span: only for measuring what merging saves. ``total_heads``: the model's KV heads, when
-    ranks may hold replicas (see ``writer_ranks``)."""
+    ranks may hold replicas (see ``writer_ranks``). ``join``: see ``plan_rank_write``."""
     first = registration.first_block_index
     dst_blocks = np.asarray(registration.block_ids, dtype=np.int64)
     wanted = first + len(dst_blocks)
@@ -322,5 +359,5 @@ def plan_write(
             raise PlanError(f"registration lacks decode rank {d_rank} of {registration.d_tp_size}")
         if len(dst_blocks) == 0:
             continue
-        writes.append(plan_rank_write(local, ranks[d_rank], src_blocks, dst_blocks, merge))
+        writes.append(plan_rank_write(local, ranks[d_rank], src_blocks, dst_blocks, merge, join))
     return WritePlan(tuple(writes))

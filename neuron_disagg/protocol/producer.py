@@ -277,9 +277,11 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
 
     def __init__(self, regions: tuple[Region, ...], tp_rank: int = 0, tp_size: int = 1,
                  timeouts: ProducerTimeouts = ProducerTimeouts(), strict: bool = False,
-                 merge_descriptors: bool = True, total_heads: int | None = None):
+                 merge_descriptors: bool = True, total_heads: int | None = None,
+                 join: tuple[int, ...] | None = None):
         super().__init__(tombstone_s=timeouts.tombstone_s, strict=strict)
         self.regions = regions
+        self.join = join  # each region's join class (plan.plan_rank_write): its group of layers, streaming by them
         self.total_heads = total_heads  # the model's KV heads: ranks may hold replicas (plan.writer_ranks)
         self.merge_descriptors = merge_descriptors  # False only to measure what merging saves
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -541,4 +543,4 @@ class ProducerCore(StateMachine[PState, PEvent, PEffect, ProducerTransfer]):
     def _plan(self, registration: Registration, block_ids: tuple[int, ...], start: int = 0,
               final: bool = True) -> WritePlan:
         return plan_write(self.regions, self.tp_rank, self.tp_size, registration, block_ids,
-                          self.merge_descriptors, self.total_heads, start=start, final=final)
+                          self.merge_descriptors, self.total_heads, start=start, final=final, join=self.join)

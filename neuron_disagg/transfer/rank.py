@@ -79,10 +79,11 @@ class Rank:
                  timeouts: RankTimeouts = RankTimeouts(), backend: str = "UCX", memory_type: str = "DRAM",
                  total_heads: int | None = None, staging: StagingSpec = StagingSpec(),
                  transport: Callable[..., Transport] = NixlTransport, merge_descriptors: bool = True,
-                 timeline: Timeline = OFF):
+                 join: tuple[int, ...] | None = None, timeline: Timeline = OFF):
         """``side_channel_port``: the instance's base port (this rank listens on port + tp_rank, or
         on any free port when it is 0); ``advertised``: the instance address peers are told
-        ("host:base port"; by default this rank's own server address)."""
+        ("host:base port"; by default this rank's own server address); ``join``: P's regions' join
+        classes, where writes are parted by group of layers (``plan.plan_rank_write``)."""
         if role not in ROUTES:
             raise ValueError(f"a rank is a prefill or a decode rank, not {role!r}")
         self.role, self.tp_rank, self.tp_size, self.codec = role, tp_rank, tp_size, codec
@@ -110,7 +111,7 @@ class Rank:
         t = timeouts
         if role == "prefill":
             producer = ProducerCore(exposed, tp_rank, tp_size, t.producer, merge_descriptors=merge_descriptors,
-                                    total_heads=total_heads)
+                                    total_heads=total_heads, join=join)
             self.push: PushWriter | PushReceiver = PushWriter(
                 producer, self.initiator, codec, peers(self.initiator, "push"), self.outbox, self.staging)
             self.pull: PullLender | PullReader = PullLender(

@@ -20,7 +20,7 @@ from typing import Any
 from .. import kv_params as leg_params
 from ..platforms.fence import LayerFences
 from ..platforms.kv_layout import LayerGroups, layer_groups
-from ..protocol.messages import PullOffer, RankRegions, TransferId
+from ..protocol.messages import PullOffer, RankRegions, Region, TransferId
 from ..protocol.wire import WireCodec
 from . import compat
 from .scheduler_side import END, Leg, LegEvent, SchedulerSide
@@ -274,13 +274,15 @@ class PrefillWorker(WorkerSide):
         self._chunks_after_forward: list[HandOff] = []  # this step's streamed chunks, the same
         self._layer_groups: LayerGroups | None = None  # streaming by layers (register_kv_caches)
 
-    def register_kv_caches(self, kv_caches, dims, block_tokens: int) -> None:
-        super().register_kv_caches(kv_caches, dims, block_tokens)
+    def _join(self, layer_names: list[str], regions: tuple[Region, ...]) -> tuple[int, ...] | None:
+        """Streaming by layers, a write's descriptors join across regions of one group of layers
+        only: each group's part is posted once its layers ran."""
         stream = self.platform.stream_mode(self.config.stream, self.layer_hook_once)
-        if stream == "layers":
-            self._layer_groups = layer_groups(list(kv_caches), self.rank_regions.regions,
-                                              self.config.stream_layer_groups)
         log.info("neuron-disagg prefill rank %d streams push writes by %s", self.tp_rank, stream)
+        if stream != "layers":
+            return None
+        self._layer_groups = layer_groups(layer_names, regions, self.config.stream_layer_groups)
+        return self._layer_groups.group_of_region
 
     def hand_off(self, step: StepMetadata) -> None:
         """Before the step's forward (``bind_connector_metadata``): queue puts only."""

@@ -19,7 +19,7 @@ from ..config import Config
 from ..platforms import select_platform
 from ..platforms.fence import LayerFences
 from ..platforms.kv_layout import KVGeometry, described_kv_caches, staging_rows
-from ..protocol.messages import RankRegions, TransferId
+from ..protocol.messages import RankRegions, Region, TransferId
 from ..protocol.wire import WireCodec
 from ..timeline import Timeline
 from ..transfer.outbox import Failed, Freed, Loaded, Quarantined, Result
@@ -84,6 +84,7 @@ class WorkerSide:
         regions = tuple(region for region, _ in described)
         platform, reason = select_platform(self.config.platform)
         self.platform = platform
+        join = self._join(list(kv_caches), regions)
         backend = platform.nixl_backend(self.config.backend)
         log.info("neuron-disagg rank %d: %s", self.tp_rank, reason)
         platform.use_kv_device(next(iter(kv_caches.values())).device)  # before any NIXL agent
@@ -96,10 +97,14 @@ class WorkerSide:
             timeouts=RankTimeouts(producer=c.producer_timeouts(), consumer=c.consumer_timeouts(),
                                   lender=c.lender_timeouts(), reader=c.reader_timeouts()),
             backend=backend, memory_type=platform.memory_type, total_heads=self.total_heads, staging=staging,
-            timeline=Timeline(c.timeline_dir, f"{self.role}-rank{self.tp_rank}")).start()
+            join=join, timeline=Timeline(c.timeline_dir, f"{self.role}-rank{self.tp_rank}")).start()
         self.rank_regions = RankRegions(self.tp_rank, self.agent_name, regions)
         log.info("neuron-disagg %s rank %d: %d KV regions registered with NIXL %s; side channel %s",
                  self.role, self.tp_rank, len(regions), backend, self.rank.server.address)
+
+    def _join(self, layer_names: list[str], regions: tuple[Region, ...]) -> tuple[int, ...] | None:
+        """Each region's join class for planning (``plan.plan_rank_write``); None: one class."""
+        return None
 
     # -- each engine step (engine loop) ----------------------------------------------------------------
     def hand_off(self, step: StepMetadata) -> None:

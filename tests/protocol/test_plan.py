@@ -171,14 +171,20 @@ def test_plan_covers_exactly_the_blocks_bytes_without_overlap(data):
 
 # -- merging in source order: block lists that vLLM's free queue hands out after churn --------------
 
-LAYOUTS = ("HND", "NHD", "kernel blocks", "heads outside blocks")
+LAYOUTS = ("HND", "NHD", "kernel blocks", "heads outside blocks", "layers inside blocks")
 
 
 def _regions(layout, rank=0, tp=1):
     """One rank's regions of SHAPE in ``layout``: rank_regions' own two, or a block split into two
-    head-major kernel blocks of two tokens, or each head's blocks in a plane of their own."""
+    head-major kernel blocks of two tokens, or each head's blocks in a plane of their own, or
+    every layer's (and K's and V's) share of a block back to back in it (vLLM's BLHNC)."""
     regions = rank_regions(SHAPE, NUM_BLOCKS, rank, tp, layout="NHD" if layout == "NHD" else "HND")
     hb, tokens = SHAPE.head_dim * SHAPE.dtype_bytes, SHAPE.block_tokens
+    if layout == "layers inside blocks":
+        share = regions[0].block_bytes
+        return tuple(msgspec.structs.replace(r, base_addr=regions[0].base_addr + i * share,
+                                             block_stride_bytes=len(regions) * share)
+                     for i, r in enumerate(regions))
     if layout == "kernel blocks":
         k = tokens // 2
         return tuple(msgspec.structs.replace(r, kernel_block_tokens=k, kernel_stride_bytes=r.heads * k * hb,
@@ -321,7 +327,9 @@ def test_a_write_parted_by_layer_group_moves_the_same_bytes_each_part_from_its_o
     local = _regions(layout, p_rank, p_tp)
     group_of_region = tuple(sorted(data.draw(st.lists(st.integers(0, groups - 1), min_size=len(local),
                                                       max_size=len(local)))))
-    plan = plan_write(local, p_rank, p_tp, _registration_in(layout, d_tp, dst[first:], first), src)
+    reg = _registration_in(layout, d_tp, dst[first:], first)
+    plan = plan_write(local, p_rank, p_tp, reg, src, join=group_of_region)
+    region_of_byte = _region_of_bytes(plan_write(local, p_rank, p_tp, reg, src, merge=False))
     parted = []
     for write in plan.writes:
         parts = split_by_group(write, group_of_region)
@@ -329,11 +337,87 @@ def test_a_write_parted_by_layer_group_moves_the_same_bytes_each_part_from_its_o
         assert sum(part.unmerged_count for _, part in parts) == write.unmerged_count
         for g, part in parts:
             assert part.d_rank == write.d_rank and len(part)
-            mine = [r for r, rg in zip(local, group_of_region, strict=True) if rg == g]
-            end = part.src_addr + part.length
-            inside = np.zeros(len(part), dtype=bool)
-            for r in mine:
-                inside |= (part.src_addr >= r.base_addr) & (end <= r.base_addr + r.extent_bytes)
-            assert inside.all(), f"group {g}'s part reads outside its regions"
+            assert _groups_read(part, region_of_byte, group_of_region) == {g}, f"group {g}'s part reads another's"
             parted.append(part)
     assert np.array_equal(_bytes_moved(WritePlan(tuple(parted))), _bytes_moved(plan))
+
+
+def _region_of_bytes(unmerged):
+    """Each source byte's region, from a plan that merged nothing (its descriptors never leave one)."""
+    owner = {}
+    for w in unmerged.writes:
+        for a, n, r in zip(w.src_addr.tolist(), w.length.tolist(), w.src_region.tolist(), strict=True):
+            owner.update(dict.fromkeys(range(a, a + n), r))
+    return owner
+
+
+def _groups_read(write, region_of_byte, group_of_region):
+    return {group_of_region[region_of_byte[b]]
+            for a, n in zip(write.src_addr.tolist(), write.length.tolist(), strict=True) for b in range(a, a + n)}
+
+
+# -- joining across regions: every layer's share of a block back to back (vLLM's BLHNC) -------------
+
+def test_with_blocks_outermost_on_both_sides_every_layer_of_a_run_of_blocks_is_one_descriptor():
+    """After churn both lists descend: per region they merge to a run each (one descriptor per
+    layer and K/V), and with the layers inside each block, across the regions to one."""
+    local = _regions("layers inside blocks")
+    src, dst = list(range(20, 12, -1)), list(range(30, 22, -1))
+    reg = _registration_in("layers inside blocks", 1, dst)
+    plan = plan_write(local, 0, 1, reg, src)
+    assert plan.descriptor_count == 1
+    assert plan.writes[0].length[0] == len(src) * len(local) * local[0].block_bytes
+    layer_major = plan_write(_regions("HND"), 0, 1, _registration_in("HND", 1, dst), src)
+    assert layer_major.descriptor_count == len(local)
+    _lands_byte_exact(plan, local, src, dst)
+
+
+def test_with_blocks_outermost_scattered_blocks_give_one_descriptor_per_run_whatever_the_layers():
+    local = _regions("layers inside blocks")
+    src = [1, 2, 3, 7, 8, 20]
+    dst = [5, 6, 7, 9, 10, 30]  # runs where both sides continue: 1-3 -> 5-7, 7-8 -> 9-10, 20 -> 30
+    plan = plan_write(local, 0, 1, _registration_in("layers inside blocks", 1, dst), src)
+    assert plan.descriptor_count == 3
+    _lands_byte_exact(plan, local, src, dst)
+
+
+def test_descriptors_join_across_regions_only_within_a_join_class():
+    """Streaming by layers parts a write by group of layers; a descriptor that ran from one group's
+    layers into the next would be posted when the first group ran, reading KV not yet computed."""
+    local = _regions("layers inside blocks")
+    src, dst = list(range(4, 12)), list(range(20, 28))
+    reg = _registration_in("layers inside blocks", 1, dst)
+    groups = tuple(i * 3 // len(local) for i in range(len(local)))  # three groups of consecutive layers
+    region_of_byte = _region_of_bytes(plan_write(local, 0, 1, reg, src, merge=False))
+    joined = plan_write(local, 0, 1, reg, src, join=groups)
+    # a block's layers of one group are one descriptor; that group's layers of the next block are
+    # not next to them, and the next group's are but may not join them
+    assert joined.descriptor_count == len(src) * 3
+    parts = split_by_group(joined.writes[0], groups)
+    assert [_groups_read(part, region_of_byte, groups) for _, part in parts] == [{0}, {1}, {2}]
+    unjoined = plan_write(local, 0, 1, reg, src)  # one class: parting it by group goes wrong
+    assert unjoined.descriptor_count == 1
+    assert _groups_read(split_by_group(unjoined.writes[0], groups)[0][1], region_of_byte, groups) == {0, 1, 2}
+    _lands_byte_exact(joined, local, src, dst)
+
+
+def test_regions_back_to_back_are_not_joined_but_each_merges_its_own_runs():
+    """A region per layer, one after another (vLLM's layer-major layouts): a descriptor could run
+    on into the next region only from a last block into a first, so no pass is made for it."""
+    local = _regions("HND")
+    last = NUM_BLOCKS - 1
+    plan = plan_write(local, 0, 1, _registration_in("HND", 1, [last, 0]), [last, 0])
+    assert plan.descriptor_count == 2 * len(local)
+
+
+def _lands_byte_exact(plan, local, src, dst):
+    fabric = MemoryFabric()
+    p_mem = np.frombuffer(fabric.register("p", regions_bytes(local)), dtype=np.uint8)
+    p_mem[:] = np.random.default_rng(5).integers(0, 256, len(p_mem), dtype=np.uint8)
+    d_mem = np.frombuffer(fabric.register("d0", regions_bytes(local)), dtype=np.uint8)
+    fabric.execute("p", plan)
+    for region in local:
+        for s, d in zip(src, dst, strict=True):
+            at_s = region.base_addr + s * region.block_stride_bytes
+            at_d = region.base_addr + d * region.block_stride_bytes
+            assert np.array_equal(d_mem[at_d:at_d + region.block_bytes], p_mem[at_s:at_s + region.block_bytes])

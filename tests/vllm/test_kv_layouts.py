@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vLLM's CPU build is installed by scripts/setup.sh")
 
 from neuron_disagg.platforms.kv_layout import KVGeometry, regions_from_kv_caches  # noqa: E402
+from neuron_disagg.protocol import RankRegions, Registration, TransferId, plan_write  # noqa: E402
 from neuron_disagg.vllm.compat import backend_dims  # noqa: E402
 
 from .. import kv_bytes  # noqa: E402
@@ -184,3 +185,21 @@ def test_a_kernel_block_split_lands_the_scheduler_block_intact():
     (region, *_) = regions_from_kv_caches(caches, dict.fromkeys(caches, backend.logical), KVGeometry(128, 0, 1, 1))
     assert (region.num_blocks, region.block_tokens, region.kernel_tokens) == (NUM_BLOCKS, 128, 64)
     transfer(backend, _layouts(backend)[0], _layouts(backend)[0], 1, 1, 1)
+
+
+@pytest.mark.skipif(KVCacheLayout is None, reason="vLLM before 0.29 has no block-outermost layouts")
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "LBHNC", "LBNHC"])
+def test_with_blocks_outermost_a_run_of_blocks_is_one_descriptor_for_every_layer(layout):
+    """vLLM's own FLASH_ATTN tensors, whole blocks on both sides (TP 1 to 1), P's and D's blocks
+    descending as after churn: with the blocks outermost every layer's share of a block lies back
+    to back on both sides, so the run of blocks is one descriptor; layer-major, one per region."""
+    backend = _backends()[0]
+    caches, _ = build_rank(backend, layout, 4)
+    regions = regions_from_kv_caches(caches, dict.fromkeys(caches, backend.logical),
+                                     KVGeometry(backend.block_size, 0, 1, 4))
+    src, dst = (4, 3, 2), (5, 4, 3)
+    registration = Registration(TransferId("runs"), "d", "d-request", "127.0.0.1:1", 1,
+                                (RankRegions(0, "d0", regions),), dst, 0, expires_at=1e18)
+    plan = plan_write(regions, 0, 1, registration, src, total_heads=4)
+    assert plan.descriptor_count == (1 if KVCacheLayout[layout].is_block_outermost else len(regions))
+    assert plan.bytes == len(src) * sum(r.block_bytes for r in regions)

@@ -18,6 +18,7 @@ from neuron_disagg.config import Config  # noqa: E402
 from neuron_disagg.platforms.fence import ReadyFence  # noqa: E402
 from neuron_disagg.platforms.kv_layout import LayerGroups  # noqa: E402
 from neuron_disagg.protocol import RankRegions, Registration, TransferId  # noqa: E402
+from neuron_disagg.protocol.geometry import ModelShape, rank_regions  # noqa: E402
 from neuron_disagg.timeline import OFF  # noqa: E402
 from neuron_disagg.transfer.outbox import Failed, Freed, Loaded, Quarantined  # noqa: E402
 from neuron_disagg.transfer.rank import Rank  # noqa: E402
@@ -249,6 +250,22 @@ def test_streaming_by_layers_hands_the_steps_blocks_over_before_its_forward_but_
     assert p.layers_in_forward is None and layers.passed()  # the step's end fenced the rest
     assert not [c for c in p.rank.push.calls if c[0] == "kv_ready"]  # async: at the next step's start
     assert p._totals["layer_groups_hooked"] == 1 and p._totals["layer_groups_at_step_end"] == 1
+
+
+def test_streaming_by_layers_lets_a_writes_descriptors_join_across_regions_only_within_a_group_of_layers(worker):
+    """With the blocks outermost a block's layers lie back to back and its descriptors join across
+    regions (plan.plan_rank_write); by layers each group's part goes once its layers ran, so the
+    rank's planner gets each region's group as its join class; by steps, one class."""
+    regions = rank_regions(ModelShape(num_layers=4, num_kv_heads=4, head_dim=8, dtype_bytes=2, block_tokens=4), 8)
+    names = [f"layers.{i}" for i in range(4)]
+    p = worker("prefill")
+    p.config = Config(stream_layer_groups=2)
+    p.platform = SimpleNamespace(stream_mode=lambda wanted, once: "layers")
+    assert p._join(names, regions) == (0, 0, 0, 0, 1, 1, 1, 1)  # layers 0-1 (K and V each), then 2-3
+    assert p._layer_groups.groups == 2
+    by_steps = worker("prefill")
+    by_steps.platform = SimpleNamespace(stream_mode=lambda wanted, once: "chunks")
+    assert by_steps._join(names, regions) is None and by_steps._layer_groups is None
 
 
 class Exploding(TransferThread):
