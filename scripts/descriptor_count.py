@@ -1,5 +1,7 @@
-"""Descriptors per transfer after churn at the seed preset's geometry: runs merged in token order
-(before) and in source-address order (now). Simulated; starts no vLLM.
+"""Descriptors per transfer after churn at the seed preset's geometry: runs merged in token order,
+in source-address order (both layer-major, as vLLM's CPU attention lays the KV out), and in
+source order with the blocks outermost on both sides (vLLM's BLHNC, which CUDA's FLASH_ATTN takes),
+where a block's layers join. Simulated; starts no vLLM.
 
     .venv/bin/python scripts/descriptor_count.py [--seeds 5] [--fifo]
 
@@ -20,6 +22,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 import numpy as np
 
 from neuron_disagg.bench.load import CHURN_MEAN_SHARE
@@ -36,6 +40,9 @@ PREFILL_MS, WRITE_MS, DECODE_STEP_MS = 647.0, 50.0, 45.0  # the seed point's (do
 SHAPE = ModelShape(KV_HEAVY["layers"], KV_HEAVY["kv_heads"], 2 * KV_HEAVY["head_dim"], DTYPE_BYTES, BLOCK)
 POOL = SEED.kv_cache_bytes // (SHAPE.bytes_per_token() // 2 * BLOCK)
 REGIONS = rank_regions(SHAPE, POOL)[::2]
+# BLHNC: each layer's share of a block back to back inside the block
+OUTERMOST = tuple(replace(r, base_addr=i * r.block_bytes, block_stride_bytes=len(REGIONS) * r.block_bytes)
+                  for i, r in enumerate(REGIONS))
 
 
 def take(free: deque, n: int) -> list[int]:
@@ -46,12 +53,16 @@ def give(free: deque, blocks: list[int], fifo: bool) -> None:
     free.extend(reversed(blocks)) if fifo else free.extendleft(blocks)
 
 
-def counts(src: list[int], dst: list[int]) -> tuple[int, int]:
-    """(token-order, source-order) descriptors of one transfer."""
-    reg = Registration(TransferId("r"), "d", "d", "d:1", 1, (RankRegions(0, "d0", REGIONS),), tuple(dst), 0, 1e9)
+def counts(src: list[int], dst: list[int]) -> tuple[int, int, int]:
+    """(token-order, source-order, blocks-outermost) descriptors of one transfer."""
+    def registration(regions):
+        return Registration(TransferId("r"), "d", "d", "d:1", 1, (RankRegions(0, "d0", regions),), tuple(dst), 0, 1e9)
+
+    reg = registration(REGIONS)
     unmerged = plan_write(REGIONS, 0, 1, reg, src, merge=False).writes[0]  # region by region, token order
     rows = zip(*(a.reshape(len(REGIONS), -1) for a in (unmerged.src_addr, unmerged.dst_addr, unmerged.length)), strict=True)
-    return sum(len(merge_runs(*row)[2]) for row in rows), plan_write(REGIONS, 0, 1, reg, src).descriptor_count
+    return (sum(len(merge_runs(*row)[2]) for row in rows), plan_write(REGIONS, 0, 1, reg, src).descriptor_count,
+            plan_write(OUTERMOST, 0, 1, registration(OUTERMOST), src).descriptor_count)
 
 
 @dataclass
@@ -65,7 +76,7 @@ class Request:
     decoded: int = 0
 
 
-def simulate(seed: int, fifo: bool, loaded: int = 96) -> list[tuple[int, int]]:
+def simulate(seed: int, fifo: bool, loaded: int = 96) -> list[tuple[int, int, int]]:
     """``counts`` of each transfer of the load, which follows the churn."""
     rng, order = np.random.default_rng(seed), itertools.count()
     p, d = deque(range(1, POOL)), deque(range(1, POOL))  # block 0 is vLLM's null block
@@ -134,7 +145,8 @@ if __name__ == "__main__":
     parser.add_argument("--fifo", action="store_true", help="freed blocks onto the back of the queue")
     args = parser.parse_args()
     result = [c for seed in range(1, args.seeds + 1) for c in simulate(seed, args.fifo)]
-    before, after = (statistics.median(c[i] for c in result) for i in (0, 1))
+    before, after, outermost = (statistics.median(c[i] for c in result) for i in (0, 1, 2))
     print(f"seed preset ({SHAPE.num_layers} regions x {SEED.input_lens[0] // BLOCK} blocks, {POOL - 1}-block pools, "
           f"{'FIFO' if args.fifo else 'LIFO'} free queue), median descriptors per transfer over {len(result)} "
-          f"after churn: token order {before:,.0f}, source order {after:,.0f} ({before / after:.2f}x fewer)")
+          f"after churn: token order {before:,.0f}, source order {after:,.0f} ({before / after:.2f}x fewer), "
+          f"blocks outermost {outermost:,.0f} ({outermost / after:.3f}x of source order)")
