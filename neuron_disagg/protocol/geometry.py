@@ -32,25 +32,25 @@ QWEN3_32B = ModelShape(num_layers=64, num_kv_heads=8, head_dim=128, dtype_bytes=
 
 
 def rank_regions(shape: ModelShape, num_blocks: int, tp_rank: int = 0, tp_size: int = 1,
-                 base_addr: int = 0, layout: str = "HND", device_id: int = 0) -> tuple[Region, ...]:
+                 base_addr: int = 0, layout: str = "HND", device_id: int = 0,
+                 blocks_outermost: bool = False) -> tuple[Region, ...]:
     """One block-major region per layer and K/V, packed back to back from ``base_addr``; inside a
-    block heads then tokens (``HND``) or tokens then heads (``NHD``). With fewer KV heads than
-    ranks each head is replicated, as vLLM does."""
+    block heads then tokens (``HND``) or tokens then heads (``NHD``). ``blocks_outermost``: the
+    regions interleave instead, each block holding every layer's and K's and V's share back to
+    back (vLLM's ``BLHNC``). With fewer KV heads than ranks each head is replicated, as vLLM does."""
     first_head, heads = rank_heads(tp_rank, tp_size, shape.num_kv_heads)
     head_bytes = shape.head_dim * shape.dtype_bytes
     block_bytes = heads * shape.block_tokens * head_bytes
     head_stride, token_stride = ((shape.block_tokens * head_bytes, head_bytes) if layout == "HND"
                                  else (head_bytes, heads * head_bytes))
-    regions, addr = [], base_addr
-    for layer in range(shape.num_layers):
-        for kv in "kv":
-            regions.append(Region(
-                name=f"layers.{layer}.{kv}", base_addr=addr, block_stride_bytes=block_bytes,
-                num_blocks=num_blocks, heads=heads, first_head=first_head, head_bytes=head_bytes,
-                block_tokens=shape.block_tokens, head_stride_bytes=head_stride,
-                token_stride_bytes=token_stride, device_id=device_id))
-            addr += block_bytes * num_blocks
-    return tuple(regions)
+    count = 2 * shape.num_layers
+    # where region i starts, and how far apart its blocks lie
+    start, stride = (block_bytes, count * block_bytes) if blocks_outermost else (block_bytes * num_blocks, block_bytes)
+    return tuple(Region(
+        name=f"layers.{i // 2}.{'kv'[i % 2]}", base_addr=base_addr + i * start, block_stride_bytes=stride,
+        num_blocks=num_blocks, heads=heads, first_head=first_head, head_bytes=head_bytes,
+        block_tokens=shape.block_tokens, head_stride_bytes=head_stride, token_stride_bytes=token_stride,
+        device_id=device_id) for i in range(count))
 
 
 def regions_bytes(regions: tuple[Region, ...]) -> int:

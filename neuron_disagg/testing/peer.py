@@ -1,6 +1,6 @@
 """A stand-alone P or D rank with KV-shaped host memory, driven by JSON lines on stdin.
 
-``python -m neuron_disagg.testing.peer --role prefill|decode`` builds block-major regions for a
+``python -m neuron_disagg.testing.peer --role prefill|decode`` builds block-major regions (``--layout``) for a
 small model shape in one numpy buffer and runs a rank on them exactly as the connector's worker
 does (``transfer.rank.Rank``: two agents over a real transport, the side channel, the role's push
 and pull threads), then answers commands for the thread of its ``--mode``:
@@ -76,8 +76,11 @@ class Peer:
         if rank and not args.port:
             raise SystemExit("--tp-rank > 0 needs --port (the instance's base side-channel port)")
         layout_tp = args.tp_size or shape_tp
-        self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, rank, layout_tp)), dtype=np.uint8)
-        self.regions = rank_regions(shape, args.blocks, rank, layout_tp, base_addr=self.buffer.ctypes.data)
+        outermost = args.layout == "blocks-outermost"
+        self.buffer = np.zeros(regions_bytes(rank_regions(shape, args.blocks, rank, layout_tp, blocks_outermost=outermost)),
+                               dtype=np.uint8)
+        self.regions = rank_regions(shape, args.blocks, rank, layout_tp, base_addr=self.buffer.ctypes.data,
+                                    blocks_outermost=outermost)
         self.agent = f"{args.role}-{os.getpid()}-{next(_instances)}"
         timeouts = RankTimeouts(
             producer=ProducerTimeouts(lease_s=args.lease_s, max_write_s=args.max_write_s, watchdog_s=args.watchdog_s,
@@ -233,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=0, help="TP size this rank belongs to (default: alone)")
     parser.add_argument("--no-merge", action="store_true", help="post one descriptor per block (to measure merging)")
+    parser.add_argument("--layout", choices=["layer-major", "blocks-outermost"], default="layer-major",
+                        help="a region per layer and K/V one after another, or every layer's share of a block "
+                             "back to back in it (vLLM's BLHNC)")
     parser.add_argument("--backend", default="UCX")
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--watchdog-s", type=float, default=3.0)

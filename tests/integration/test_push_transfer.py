@@ -163,3 +163,20 @@ def test_tensor_parallel_ranks_write_their_heads_into_place(fabric, p_tp, d_tp):
     finally:
         for rank in ranks:
             rank.stop()
+
+
+def test_with_the_blocks_outermost_a_run_of_blocks_is_one_descriptor_for_every_layer_and_lands_exactly(fabric):
+    """P and D lay their KV out as vLLM's BLHNC does: every layer's K and V share of a block back
+    to back in it. A run of blocks (continuing on both sides, in any token order) is then one
+    NIXL descriptor across all the layers' regions, inside the one span each side registered."""
+    p = fabric.peer("prefill", "--layout", "blocks-outermost", "--lease-s", "5")
+    d = fabric.peer("decode", "--layout", "blocks-outermost", "--watchdog-s", "3", "--max-write-s", "2")
+    try:
+        regions = len(p.call("regions")["regions"]["regions"])
+        tid, p_blocks, d_blocks = ["outermost", 0], [9, 8, 7, 3, 4], [22, 21, 20, 40, 41]  # two runs
+        _transfer(p, d, tid, p_blocks, d_blocks, seed=11)
+        _assert_delivered(p, d, tid, p_blocks, d_blocks)
+        assert regions > 2 and p.call("stats")["writer"]["descriptors"] == 2  # layer-major: 2 a region
+    finally:
+        p.stop()
+        d.stop()

@@ -178,13 +178,9 @@ def _regions(layout, rank=0, tp=1):
     """One rank's regions of SHAPE in ``layout``: rank_regions' own two, or a block split into two
     head-major kernel blocks of two tokens, or each head's blocks in a plane of their own, or
     every layer's (and K's and V's) share of a block back to back in it (vLLM's BLHNC)."""
-    regions = rank_regions(SHAPE, NUM_BLOCKS, rank, tp, layout="NHD" if layout == "NHD" else "HND")
+    regions = rank_regions(SHAPE, NUM_BLOCKS, rank, tp, layout="NHD" if layout == "NHD" else "HND",
+                           blocks_outermost=layout == "layers inside blocks")
     hb, tokens = SHAPE.head_dim * SHAPE.dtype_bytes, SHAPE.block_tokens
-    if layout == "layers inside blocks":
-        share = regions[0].block_bytes
-        return tuple(msgspec.structs.replace(r, base_addr=regions[0].base_addr + i * share,
-                                             block_stride_bytes=len(regions) * share)
-                     for i, r in enumerate(regions))
     if layout == "kernel blocks":
         k = tokens // 2
         return tuple(msgspec.structs.replace(r, kernel_block_tokens=k, kernel_stride_bytes=r.heads * k * hb,
