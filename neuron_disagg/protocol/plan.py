@@ -227,10 +227,11 @@ def plan_rank_write(
     join: Sequence[int] | None = None,
 ) -> RankWrite:
     """Descriptors from one P rank's regions into one D rank's, merged within each region pair and
-    then across regions where they interleave (``join_regions``). ``join``: each of ``local``'s regions' join class
-    (streaming by layers parts writes by group of layers, so a descriptor must not run from one
-    group into the next); None: one class. A merged descriptor stays inside one registered span
-    on each side, since regions that touch are registered as one (``transport.region_spans``).
+    then across regions where they interleave (``join_regions``). ``join``: the join class of each
+    of ``local``'s regions (streaming by layers parts writes by group of layers, so a descriptor
+    must not run from one group into the next); None: one class. A merged descriptor stays inside
+    one registered span on each side, since regions that touch are registered as one
+    (``transport.region_spans``).
 
     Region pairs that share a block geometry are planned together, so a 16k-token request costs
     a few vectorised passes over its block list, not one pass per layer."""
