@@ -295,9 +295,9 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
     reached P, and 4 through a router whose only P it is, sent while P was stopped (so that their P
     legs are open when it dies, as on a host that froze before it crashed). D gives the direct ones
     up as soon as a probe of P is refused or unanswered and computes them itself; the router sends
-    its own to D whole once P's legs fail. Before, the direct ones waited for D's watchdog and
-    fence, the routed ones got 502. Every answer is monolithic's; D's blocks come back at their
-    fence."""
+    its own to D whole once P's legs fail (or D, having given up on P first, computes them). Before,
+    the direct ones waited for D's watchdog and fence, the routed ones got 502. Every answer is
+    monolithic's; D's blocks come back at their fence."""
     doomed, side, marks = doomed_prefill
     texts = [prompt(60 + 4 * i, 14 + i) for i in range(8)]
     quarantines, block_seconds = (metric(cluster.d, f"neuron_disagg_{name}_total")
@@ -337,7 +337,13 @@ def test_prefill_killed_with_requests_in_flight_answers_them_in_seconds_directly
     assert [resp.json()["choices"][0]["text"] for resp, _ in answered] == want
     after = sorted(took for _, took in answered)
     assert after[-1] < TIMEOUTS["watchdog_s"], f"answers took up to {after[-1]:.1f} s after the kill"
-    assert fallbacks == 4, f"the router sent {fallbacks:g} of its 4 requests whole to D"
+    # Each routed request was saved one way or the other: the router sent it whole to D once its P
+    # leg failed, or D gave its load up first and computed it (a quarantine, as for the direct
+    # ones). D suspects a P that leaves its probes unanswered for suspect_after_s, and on a loaded
+    # machine opening the router's legs on the stopped P has taken that long.
+    assert fallbacks <= 4, f"the router sent {fallbacks:g} of its 4 requests whole to D"
+    wait_for(lambda: metric(cluster.d, "neuron_disagg_quarantines_total") - quarantines >= 4 + (4 - fallbacks), 30,
+             f"D giving up the 4 direct loads and the {4 - fallbacks:g} routed ones the router did not send whole")
     blocks_back(cluster, D_BOUND_S + 10)
     wait_for(lambda: metric(cluster.d, "neuron_disagg_quarantined_block_seconds_total") > block_seconds, 30,
              "D reporting what the quarantines held")
@@ -561,23 +567,17 @@ def test_every_process_of_the_cluster_listens_on_loopback_only(cluster):
 
 @pytest.mark.every_vllm  # what differs between vLLM versions
 def test_connector_metrics_appear_on_vllm_metrics(cluster):
-    awaited = metric(cluster.d, "neuron_disagg_landings_awaited_total")
-    # Prompts no other test sent: prompt(60, s) is the start of every longer prompt of the same
-    # seed (mod the word count), which D may hold in its prefix cache, and a prompt D holds whole
-    # needs no KV, so nothing lands (a CI run sent five such and saw no landing).
-    fresh = [f"landing {next_id()} {time.monotonic_ns()} {prompt(60, seed)}" for seed in range(31, 36)]
-    want, got = run(_compare(cluster, fresh[:1]))
+    # A prompt no other test sent, so that D holds none of it and KV moves.
+    text = f"metrics {next_id()} {time.monotonic_ns()} {prompt(60, 31)}"
+    want, got = run(_compare(cluster, [text]))
     assert got == want
-    # D idled while P computed, so a step that ran no forward waited for the write and reported it.
-    # Not always the first write: P's WriteStarting may reach D's receiver after the write itself
-    # (a fresh side-channel connection), and then nothing is left to wait for.
-    for text in fresh[1:]:
-        if metric(cluster.d, "neuron_disagg_landings_awaited_total") > awaited:
-            break
-        more_want, more_got = run(_compare(cluster, [text]))
-        assert more_got == more_want
-    wait_for(lambda: metric(cluster.d, "neuron_disagg_landings_awaited_total") > awaited, 30,
-             "D's step that waited for the landing")
+    # Every count is exported from the first stats D sends, 0 or not. Whether an idle step of D
+    # waited for a landing (landings_awaited) is a race with a write this small: D's receiver hears
+    # P's WriteStarting and the landing within microseconds, and an engine step that checks between
+    # them is rare (a quarter of them here, fewer under CI's load). tests/vllm/test_worker_side.py
+    # drives the wait itself.
+    wait_for(lambda: "neuron_disagg_landings_awaited_total{" in httpx.get(f"{cluster.d.url}/metrics", timeout=5).text,
+             30, "D's landing counts on /metrics")
     wait_for(lambda: metric(cluster.p, "neuron_disagg_transfers_total") > 0, 30, "P's transfer counter")
     wait_for(lambda: metric(cluster.d, "neuron_disagg_transfers_total") > 0, 30, "D's transfer counter")
     assert metric(cluster.p, "neuron_disagg_bytes_total") > 0

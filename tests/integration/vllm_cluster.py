@@ -62,7 +62,7 @@ class Cluster:
         self.p = self.instance("prefill", self.p_side, "0", {**PATIENT, **on, **streams, "accept_unsigned_prefill_legs": True},
                                extra=("--max-num-batched-tokens", str(P_STEP_TOKENS)))
         # The landing wait at the config's bound, so that an idle D's steps catch every landing they
-        # can (at the default 2 ms about half of them here) and the metrics test can see one.
+        # can (at the default 2 ms about half of them here).
         self.d = self.instance("decode", free_port(), "1", {**TIMEOUTS, **on, "landing_wait_s": 0.1})
 
     def instance(self, role: str, side_port: int, cpu: str, config: dict, **kwargs):
