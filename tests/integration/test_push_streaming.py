@@ -13,7 +13,7 @@ from neuron_disagg.local_cluster import free_port
 from .fabrics import peers_on
 
 pytestmark = pytest.mark.integration
-WATCHDOG_S, MAX_WRITE_S, SKEW_S, SUSPECT_S = 2.0, 1.0, 0.2, 0.6
+WATCHDOG_S, MAX_WRITE_S, SKEW_S, SUSPECT_S = 6.0, 3.0, 0.2, 1.2  # room for a loaded machine: a probe decides first
 BOUND_S = WATCHDOG_S + 2 * MAX_WRITE_S + SKEW_S  # D's watchdog, then its fence (as in test_push_faults)
 
 

@@ -10,8 +10,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def pair(fabric):
-    p = fabric.peer("prefill", "--lease-s", "5")
-    d = fabric.peer("decode", "--watchdog-s", "3", "--max-write-s", "2")
+    # Watchdogs far beyond what any test here waits for: 24 registrations and their writes must fit
+    # inside the first one's on a loaded machine.
+    p = fabric.peer("prefill", "--lease-s", "5", "--watchdog-s", "20")
+    d = fabric.peer("decode", "--watchdog-s", "20", "--max-write-s", "2")
     assert p.backends == d.backends == [fabric.backend]  # the agents run on that backend alone
     yield p, d
     p.stop()
@@ -107,7 +109,7 @@ def test_decode_cancels_before_the_write_blocks_come_back_only_after_the_ack(pai
     d.call("expect", tid=tid, p_address=p.address)
     d.call("allocate", tid=tid, blocks=[70, 71])
     d.call("abort", tid=tid, reason="client disconnected")
-    freed = d.event_for("free", tid, timeout=5)  # CancelAck, well before the 5.2 s fence
+    freed = d.event_for("free", tid, timeout=10)  # CancelAck, well before the 24.2 s fence
     assert sorted(freed["blocks"]) == [70, 71]
     p.call("fill", blocks=[72, 73], seed=6)
     p.call("kv_ready", tid=tid, blocks=[72, 73])
@@ -170,7 +172,7 @@ def test_with_the_blocks_outermost_a_run_of_blocks_is_one_descriptor_for_every_l
     to back in it. A run of blocks (continuing on both sides, in any token order) is then one
     NIXL descriptor across all the layers' regions, inside the one span each side registered."""
     p = fabric.peer("prefill", "--layout", "blocks-outermost", "--lease-s", "5")
-    d = fabric.peer("decode", "--layout", "blocks-outermost", "--watchdog-s", "3", "--max-write-s", "2")
+    d = fabric.peer("decode", "--layout", "blocks-outermost", "--watchdog-s", "20", "--max-write-s", "2")
     try:
         regions = len(p.call("regions")["regions"]["regions"])
         tid, p_blocks, d_blocks = ["outermost", 0], [9, 8, 7, 3, 4], [22, 21, 20, 40, 41]  # two runs
