@@ -459,10 +459,16 @@ def test_a_captured_prefill_leg_replayed_with_another_prompt_is_served_plainly_a
 
 def test_prefill_holds_blocks_only_for_its_lease_when_no_decode_registers(cluster):
     p_body, _ = legs(cluster, prompt(120, 14), 1)
+    expiries = metric(cluster.p, "neuron_disagg_lease_expiries_total")
     assert httpx.post(f"{cluster.p.url}/v1/completions", json=p_body, timeout=60).status_code == 200
-    assert kv_usage(cluster.p) > 0  # held for a decode that never comes
+    with explained(cluster):  # held for a decode that never comes (the gauges may lag a step; a
+        # loaded machine's first poll may come after the lease, whose expiry then counts as held)
+        wait_for(lambda: metric(cluster.p, "neuron_disagg_held_blocks") > 0 or kv_usage(cluster.p) > 0
+                 or metric(cluster.p, "neuron_disagg_lease_expiries_total") > expiries, 10,
+                 "P holding the request's KV for its D")
     waited = wait_for(lambda: kv_usage(cluster.p) == 0.0, TIMEOUTS["lease_s"] + 5, "P's lease expiry")
     assert waited <= TIMEOUTS["lease_s"] + 5
+    wait_for(lambda: metric(cluster.p, "neuron_disagg_lease_expiries_total") > expiries, 10, "the lease expiry counted")
 
 
 @pytest.mark.every_vllm  # what differs between vLLM versions
