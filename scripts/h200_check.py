@@ -18,7 +18,11 @@ reading, moved by the real push writer and receiver threads over NIXL with signe
    leaves the layer, the kernels still queued);
 4. D fence: D's engine zeroes fresh blocks behind a delay on its stream before registering them;
    with the fence P's write lands after the zeroing, and the control run shows it overwritten;
-5. tensor parallelism: P TP 1 -> D TP 2 and P TP 2 -> D TP 1, each byte-exact.
+5. tensor parallelism: P TP 1 -> D TP 2 and P TP 2 -> D TP 1, each byte-exact;
+6. blocks outermost (vLLM's BLHNC, ``VLLM_KV_CACHE_LAYOUT=BLHNC``): every layer's share of a block
+   back to back, so a run of blocks goes as one descriptor for all layers (NIXL writing across the
+   layers' views inside one registered span), byte-exact; and streamed by layers, where descriptors
+   join only within a group of layers, byte-exact behind each group's fence.
 
 Prints a line per check and a JSON summary last; exits 1 if any check fails. Needs torch, numpy,
 msgspec and NIXL (nixl-cu13 on CUDA 13); nothing else of the package's dependencies. See the
@@ -121,8 +125,12 @@ def rank_main(spec: dict, conn) -> None:
     platform, reason = select_platform("cpu" if dry else "auto")
     device = torch.device("cpu") if dry else torch.device("cuda", 0)
     first, heads = rank_heads(rank, tp, TOTAL_HEADS)
-    buffer = torch.zeros(LAYERS, BLOCKS, heads, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16, device=device)
-    caches = {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(LAYERS)}  # LBHNC per-layer views
+    if spec["layout"] == "BLHNC":  # blocks outermost: a layer's view strides over every layer's share
+        buffer = torch.zeros(BLOCKS, LAYERS, heads, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16, device=device)
+        caches = {f"model.layers.{i}.self_attn.attn": buffer[:, i] for i in range(LAYERS)}
+    else:  # LBHNC per-layer views
+        buffer = torch.zeros(LAYERS, BLOCKS, heads, TOKENS, 2 * HEAD_SIZE, dtype=torch.bfloat16, device=device)
+        caches = {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(LAYERS)}
     regions = regions_from_kv_caches(caches, dict.fromkeys(caches, VLLM_LAYER_VIEW),
                                      KVGeometry(TOKENS, rank, tp, TOTAL_HEADS))
     platform.use_kv_device(device)
@@ -172,6 +180,7 @@ def rank_main(spec: dict, conn) -> None:
             conn.send({})
         elif op == "layers_forward":  # push streaming by layers: the chunk first, then the forward
             groups = layer_groups(list(caches), regions, cmd["groups"])
+            node.push.core.join = groups.group_of_region  # as the prefill worker's rank plans by layers
             record = device_queue.fence if cmd["fenced"] else ReadyFence
             layers = LayerFences(groups.group_of_layer, groups.group_of_region, groups.groups, record,
                                  thread.layers_fenced)
@@ -206,6 +215,8 @@ def rank_main(spec: dict, conn) -> None:
                 for i, view in enumerate(blocks_of(layer, cmd["blocks"])):
                     wrong += not torch.equal(view.cpu(), want[:, i * TOKENS:(i + 1) * TOKENS])
             conn.send({"wrong_blocks": wrong, "of": LAYERS * len(cmd["blocks"])})
+        elif op == "descriptors":  # P: posted so far
+            conn.send({"descriptors": thread.stats["descriptors"]})
         elif op == "stop":
             node.shutdown()
             conn.send({})
@@ -253,9 +264,9 @@ def free_port() -> int:
 class Instances:
     """P ranks and D ranks (each rank listening on its instance's base port + rank)."""
 
-    def __init__(self, ctx, dry_run: bool, secret: str, p_tp: int, d_tp: int):
+    def __init__(self, ctx, dry_run: bool, secret: str, p_tp: int, d_tp: int, layout: str = "LBHNC"):
         p_port, d_port = free_port(), free_port()
-        common = {"dry_run": dry_run, "secret": secret}
+        common = {"dry_run": dry_run, "secret": secret, "layout": layout}
         self.p = [Rank(ctx, role="prefill", rank=r, tp=p_tp, port=p_port, **common) for r in range(p_tp)]
         self.d = [Rank(ctx, role="decode", rank=r, tp=d_tp, port=d_port, **common) for r in range(d_tp)]
         self.p_tp = p_tp
@@ -356,6 +367,17 @@ def run(dry_run: bool) -> list[dict]:
             record(f"TP {p_tp} -> {d_tp}, LBHNC", exact(results), ranks=results)
         finally:
             group.stop()
+    outermost = Instances(ctx, dry_run, secret, 1, 1, layout="BLHNC")
+    try:
+        results = outermost.push("blhnc", [5, 4, 3, 20], [9, 8, 7, 30], seed=10)  # two runs of blocks
+        posted = outermost.p[0]("descriptors")["descriptors"]
+        record("BLHNC: a run of blocks one descriptor for every layer", exact(results) and posted == 2,
+               descriptors=posted, of_layer_major=2 * LAYERS, ranks=results)
+        results = outermost.push("blhnc-layers", [21, 22, 23], [24, 25, 26], seed=11, p_delay_s=DELAY_S, layers=2)
+        record("BLHNC by layers: descriptors joined within a group, each behind its fence", exact(results),
+               ranks=results)
+    finally:
+        outermost.stop()
     return checks
 
 
