@@ -14,7 +14,7 @@ from neuron_disagg.testing.peer_process import SECRET
 from .fabrics import peers_on
 
 pytestmark = pytest.mark.integration
-WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
+WATCHDOG_S, MAX_WRITE_S, SKEW_S = 4.0, 1.0, 0.2  # room for a loaded machine: a probe decides first
 
 
 @pytest.fixture

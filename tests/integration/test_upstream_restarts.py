@@ -13,7 +13,7 @@ import pytest
 from neuron_disagg.local_cluster import free_port
 
 pytestmark = pytest.mark.integration
-WATCHDOG_S, MAX_WRITE_S, SKEW_S = 2.0, 1.0, 0.2
+WATCHDOG_S, MAX_WRITE_S, SKEW_S = 4.0, 1.0, 0.2  # room for a loaded machine: a probe decides first
 
 
 def _restart(ucx_peers, p, *args):
