@@ -15,6 +15,8 @@ from .fabrics import peers_on
 pytestmark = pytest.mark.integration
 WATCHDOG_S, MAX_WRITE_S, SKEW_S, SUSPECT_S = 6.0, 3.0, 0.2, 1.2  # room for a loaded machine: a probe decides first
 BOUND_S = WATCHDOG_S + 2 * MAX_WRITE_S + SKEW_S  # D's watchdog, then its fence (as in test_push_faults)
+# Where no watchdog is under test: one no stall of a loaded machine outlasts (the peers' default is 3 s)
+PATIENT = ("--watchdog-s", "20")
 
 
 @pytest.fixture
@@ -39,7 +41,7 @@ def _loads(d, tid) -> list:
 
 
 def test_each_chunk_lands_while_the_prefill_runs_and_decode_hears_of_the_transfer_once(procs):
-    p, d = procs("prefill"), procs("decode")
+    p, d = procs("prefill", *PATIENT), procs("decode", *PATIENT)
     tid, p_blocks, d_blocks = ["streamed", 0], [7, 3, 9, 1, 5, 2], [40, 41, 12, 13, 30, 31]
     p.call("fill", blocks=p_blocks, seed=11)
     d.call("expect", tid=tid, p_address=p.address)
@@ -63,7 +65,7 @@ def test_each_chunk_lands_while_the_prefill_runs_and_decode_hears_of_the_transfe
 
 
 def test_a_registration_after_chunks_finished_takes_the_backlog_in_one_write(procs):
-    p, d = procs("prefill"), procs("decode")
+    p, d = procs("prefill", *PATIENT), procs("decode", *PATIENT)
     tid, p_blocks, d_blocks = ["backlog", 0], [1, 2, 3, 4], [20, 21, 22, 23]
     p.call("fill", blocks=p_blocks, seed=12)
     p.call("kv_chunk", tid=tid, blocks=p_blocks[:1])
@@ -78,7 +80,7 @@ def test_a_registration_after_chunks_finished_takes_the_backlog_in_one_write(pro
 
 
 def test_a_prefill_preempted_mid_stream_is_written_again_from_its_new_blocks(procs):
-    p, d = procs("prefill"), procs("decode")
+    p, d = procs("prefill", *PATIENT), procs("decode", *PATIENT)
     tid, d_blocks = ["preempted", 0], [50, 51, 52, 53]
     d.call("expect", tid=tid, p_address=p.address)
     d.call("allocate", tid=tid, blocks=d_blocks)
@@ -121,8 +123,8 @@ def test_prefill_killed_after_some_chunks_lets_decode_go_on_at_once_and_frees_at
 def test_one_prefill_rank_far_ahead_of_the_other_loads_only_when_both_have_landed(fabric):
     with peers_on(fabric) as start:
         p_port = free_port()
-        ps = [start("prefill", "--port", str(p_port), "--tp-rank", str(r), "--tp-size", "2") for r in range(2)]
-        d = start("decode")
+        ps = [start("prefill", "--port", str(p_port), "--tp-rank", str(r), "--tp-size", "2", *PATIENT) for r in range(2)]
+        d = start("decode", *PATIENT)
         tid, p_blocks, d_blocks = ["ranks-apart", 0], [1, 2, 3, 4], [70, 71, 72, 73]
         for r, p in enumerate(ps):
             p.call("fill", blocks=p_blocks, seed=300 + r)
@@ -151,11 +153,11 @@ def test_one_prefill_rank_far_ahead_of_the_other_loads_only_when_both_have_lande
 def test_a_last_write_with_nothing_left_to_move_still_tells_every_decode_rank(fabric):
     """Every block went as chunks before the prefill ended, so the last write moves nothing and its
     notification goes alone, over the side channel: to every D rank this P rank wrote into (D at TP
-    2), not to rank 0 alone, whose sibling would wait out its watchdog."""
+    2), not to rank 0 alone, whose sibling would wait out its watchdog (20 s here, inside the 30 s wait)."""
     with peers_on(fabric) as start:
-        p = start("prefill")
+        p = start("prefill", *PATIENT)
         d_port = free_port()
-        ds = [start("decode", "--port", str(d_port), "--tp-rank", str(r), "--tp-size", "2") for r in range(2)]
+        ds = [start("decode", "--port", str(d_port), "--tp-rank", str(r), "--tp-size", "2", *PATIENT) for r in range(2)]
         tid, p_blocks, d_blocks = ["notice-only", 0], [5, 6], [20, 21]
         p.call("fill", blocks=p_blocks, seed=41)
         for d in ds:
