@@ -245,16 +245,7 @@ def test_blocks_handed_out_descending_on_both_sides_merge_to_one_descriptor_per_
     unmerged = plan_write(local, 0, 1, registration(1, dst), src, merge=False)
     assert plan.descriptor_count == len(local)
     assert np.array_equal(_bytes_moved(plan), _bytes_moved(unmerged))
-    fabric = MemoryFabric()
-    p_mem = np.frombuffer(fabric.register("p", regions_bytes(local)), dtype=np.uint8)
-    p_mem[:] = np.random.default_rng(3).integers(0, 256, len(p_mem), dtype=np.uint8)
-    d_mem = np.frombuffer(fabric.register("d0", regions_bytes(local)), dtype=np.uint8)
-    fabric.execute("p", plan)
-    for region in local:
-        for s, d in zip(src, dst, strict=True):
-            at_s = region.base_addr + s * region.block_stride_bytes
-            at_d = region.base_addr + d * region.block_stride_bytes
-            assert np.array_equal(d_mem[at_d:at_d + region.block_bytes], p_mem[at_s:at_s + region.block_bytes])
+    _lands_byte_exact(plan, local, src, dst)
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1), (2, 4)])
@@ -407,6 +398,8 @@ def test_regions_back_to_back_are_not_joined_but_each_merges_its_own_runs():
 
 
 def _lands_byte_exact(plan, local, src, dst):
+    """The plan, executed between two memories laid out as ``local``, puts each of P's blocks ``src``
+    byte for byte into D's ``dst``, in every region."""
     fabric = MemoryFabric()
     p_mem = np.frombuffer(fabric.register("p", regions_bytes(local)), dtype=np.uint8)
     p_mem[:] = np.random.default_rng(5).integers(0, 256, len(p_mem), dtype=np.uint8)
