@@ -275,8 +275,9 @@ class PrefillWorker(WorkerSide):
         self._layer_groups: LayerGroups | None = None  # streaming by layers (register_kv_caches)
 
     def _join(self, layer_names: list[str], regions: tuple[Region, ...]) -> tuple[int, ...] | None:
-        """Streaming by layers, a write's descriptors join across regions of one group of layers
-        only: each group's part is posted once its layers ran."""
+        """Picks how this rank streams (``Config.stream``, as the platform allows) and, streaming by
+        layers, builds the groups: then a write's descriptors join across regions of one group
+        only, since each group's part is posted once its layers ran."""
         stream = self.platform.stream_mode(self.config.stream, self.layer_hook_once)
         log.info("neuron-disagg prefill rank %d streams push writes by %s", self.tp_rank, stream)
         if stream != "layers":
