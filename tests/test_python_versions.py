@@ -45,4 +45,4 @@ def test_the_fast_check_passes_on_python_3_14_skipping_only_what_has_no_3_14_bui
 
 def test_the_transfer_tests_pass_on_python_3_14_over_ucx():
     done = _pytest(*TRANSFER_TESTS, "-k", "UCX and not nixl")
-    assert _passed(done) == 26
+    assert _passed(done) == 27
